@@ -1,0 +1,89 @@
+"""The suite's fixtures: the documented contract between the gates and the system under test.
+
+The plugin machinery (options, gate markers, verdicts, report) lives in fixtures/plugin.py. This
+file holds the fixtures tests use; their docstrings say exactly what an implementation must
+provide. A third party implements `fixtures.contract.Implementation` and passes
+`--impl package.module:factory`; nothing here needs to change.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["fixtures.plugin"]
+
+
+@pytest.fixture(scope="session")
+def impl(pytestconfig):
+    """The Implementation under test (from --impl): makes engines and trainers for a model dir.
+
+    Must provide describe() -> dict, device() -> str, dtype() -> torch.dtype,
+    make_trainer(model_dir) -> Trainer, make_engine(model_dir, EngineSettings) -> Engine
+    (NotImplementedError where it has no engine: engine checks then skip with that reason).
+    """
+    from fixtures.plugin import STATE
+    return pytestconfig.stash[STATE]["impl"]
+
+
+@pytest.fixture(scope="session")
+def model_name(request):
+    """The model under test: a built-in recipe name or a local dir with config.json (--model).
+
+    Parametrised over every --model given; a test that uses it runs once per model and its
+    result counts toward that model's gate verdicts.
+    """
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def proxy(model_name, pytestconfig, tmp_path_factory, impl):
+    """The proxy model of `model_name` at --proxy size: a ProxySpec whose `path` is a directory
+    with config.json + model.safetensors (seeded random weights, token ids only), built once per
+    session. Engines and trainers load it from `path`."""
+    from fixtures.proxies import build_proxy
+    from fixtures.plugin import model_id
+    out = tmp_path_factory.mktemp(f"proxy-{model_id(model_name)}")
+    return build_proxy(model_name, pytestconfig.getoption("--proxy"), out,
+                       seed=pytestconfig.getoption("--proxy-seed"), dtype=impl.dtype())
+
+
+@pytest.fixture(scope="session")
+def trainer(impl, proxy):
+    """A Trainer holding the proxy (fixtures.contract.Trainer): logprobs(sequences, layout=,
+    micro_batch_size=) -> list of float32 [len-1] tensors; module() -> the torch module it runs;
+    export_weights() -> {canonical name: tensor}. One per model per session."""
+    t = impl.make_trainer(proxy.path)
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="session")
+def engine_factory(impl, proxy):
+    """Callable (EngineSettings) -> Engine for the proxy; skips the test with the implementation's
+    reason where it provides no engine. Engines are context managers: use `with`."""
+    from fixtures.contract import EngineSettings
+
+    def make(settings: EngineSettings = EngineSettings()):
+        try:
+            return impl.make_engine(proxy.path, settings)
+        except NotImplementedError as exc:
+            pytest.skip(f"no engine: {exc}")
+    return make
+
+
+@pytest.fixture
+def record_metric(request):
+    """record_metric(name, value): a number that goes into the report's metrics table."""
+    def record(name: str, value) -> None:
+        request.node.user_properties.append((f"metric:{name}", value))
+    return record
+
+
+@pytest.fixture(scope="session")
+def artifact_dir(pytestconfig, tmp_path_factory) -> Path:
+    """Where checks write artifacts: DIR/artifacts under --report, else a session temp dir."""
+    report = pytestconfig.getoption("--report")
+    d = Path(report).resolve() / "artifacts" if report else tmp_path_factory.mktemp("artifacts")
+    d.mkdir(parents=True, exist_ok=True)
+    return d

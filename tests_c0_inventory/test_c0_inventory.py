@@ -1,0 +1,48 @@
+"""Gate C0 - Inventory: every module class and aten op reached in prefill, decode and backward is
+listed and mapped to a kernel policy; zero unmapped ops. Artifact: inventory JSON + Markdown."""
+from __future__ import annotations
+
+import pytest
+
+from fixtures.inventory import PHASES, take_inventory
+from fixtures.plugin import model_id
+
+pytestmark = pytest.mark.C0
+
+
+@pytest.fixture(scope="session")
+def inventory(trainer, proxy, model_name, impl, artifact_dir):
+    """The traced inventory of the trainer's module for this model, written into the report."""
+    inv = take_inventory(trainer.module(), model_id(model_name), vocab_size=proxy.config.vocab_size,
+                         table=impl.kernel_table())
+    inv.write(artifact_dir, f"inventory-{model_id(model_name)}")
+    return inv
+
+
+def test_every_phase_traced(inventory):
+    """An inventory that missed a phase would map nothing it never saw."""
+    seen = inventory.phases_seen()
+    assert seen == set(PHASES), f"phases traced: {sorted(seen)}; expected {list(PHASES)}"
+
+
+def test_no_unmapped_op(inventory):
+    unmapped = inventory.unmapped
+    assert not unmapped, (
+        f"{len(unmapped)} aten op(s) reached by {inventory.model} have no kernel policy "
+        "(add each to the implementation's kernel table with a batch-invariant kernel, or classify it "
+        "as elementwise / data movement):\n" + "\n".join(
+            f"  {e.op}: first in module {e.first_module} ({', '.join(sorted(e.module_classes)) or 'outside'}), "
+            f"phases {', '.join(sorted(e.phases))}, {e.count} calls" for e in unmapped))
+
+
+def test_every_module_class_listed(inventory, trainer):
+    """Each module class that ran an op appears with its ops, all mapped."""
+    classes = {type(m).__name__ for m in trainer.module().modules()}
+    reached = set(inventory.module_classes)
+    assert reached, "no module class reached any op"
+    unknown = reached - classes - {""}
+    assert not unknown, f"inventory names classes the model does not have: {sorted(unknown)}"
+    bad = {c: sorted(o for o in ops if inventory.ops[o].policy is None)
+           for c, ops in inventory.module_classes.items()}
+    bad = {c: o for c, o in bad.items() if o}
+    assert not bad, f"module classes with unmapped ops: {bad}"

@@ -1,0 +1,92 @@
+"""The one comparison helper: bitwise semantics and a failure message that stands alone."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fixtures.comparison import (BitwiseMismatch, assert_bitwise, compare, float_hex, parity_metrics,
+                                 ulp_distance)
+
+
+def test_equal_bits_pass():
+    a = torch.tensor([-1.5, -0.25, -3.0])
+    assert_bitwise(a, a.clone())
+    assert_bitwise([a, a[:2]], [a.clone(), a[:2].clone()])
+
+
+def test_one_ulp_fails_with_hex_and_ulp():
+    a = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]])
+    b = a.clone()
+    b[1, 2] = torch.nextafter(b[1, 2], torch.tensor(0.0))
+    with pytest.raises(BitwiseMismatch) as info:
+        assert_bitwise(a, b, what="sampled logprobs", lhs_name="alone", rhs_name="in batch", batch_size=64)
+    msg = str(info.value)
+    assert "sampled logprobs: alone != in batch" in msg
+    assert "sequence 1, token 2" in msg
+    assert float_hex(a[1, 2]) in msg and float_hex(b[1, 2]) in msg
+    assert "1 ULP apart" in msg
+    assert "differing positions: 1 of 6" in msg
+    assert "batch_size: 64" in msg
+    assert "environment:" in msg and "repro: pytest" in msg
+    assert info.value.diff.first == (1, 2) and info.value.diff.ulp == 1
+
+
+def test_nan_never_passes():
+    a = torch.tensor([float("nan"), -1.0])
+    with pytest.raises(BitwiseMismatch):
+        assert_bitwise(a, a.clone())
+
+
+def test_structural_mismatches():
+    a = torch.zeros(3)
+    assert "3 tokens vs 2" in compare(a, torch.zeros(2)).structural
+    assert "dtype" in compare(a, a.double()).structural
+    assert "sequences" in compare([a, a], [a]).structural
+    with pytest.raises(BitwiseMismatch, match="structural"):
+        assert_bitwise(a, a.to(torch.bfloat16))
+
+
+def test_ulp_distance_across_zero_and_signs():
+    z, nz = torch.tensor([0.0]), torch.tensor([-0.0])
+    tiny = torch.tensor([1.4e-45])  # smallest float32 subnormal
+    assert ulp_distance(z, nz).item() == 0
+    assert ulp_distance(tiny, -tiny).item() == 2
+    one = torch.tensor([1.0])
+    assert ulp_distance(one, torch.nextafter(one, torch.tensor([2.0]))).item() == 1
+    assert ulp_distance(torch.tensor([float("nan")]), one).item() == torch.iinfo(torch.int64).max
+    b = torch.tensor([1.0], dtype=torch.bfloat16)
+    assert ulp_distance(b, torch.tensor([1.0078125], dtype=torch.bfloat16)).item() == 1
+
+
+def test_float_hex():
+    assert float_hex(torch.tensor(1.0)) == "0x3f800000"
+    assert float_hex(torch.tensor(-2.0)) == "0xc0000000"
+    assert float_hex(torch.tensor(1.0, dtype=torch.bfloat16)) == "0x3f80"
+
+
+def test_localisation_is_called_only_on_mismatch():
+    calls = []
+    loc = lambda: calls.append(1) or "model.layers.1.mlp.down_proj aten.mm"
+    assert_bitwise(torch.ones(2), torch.ones(2), localise=loc)
+    assert not calls
+    with pytest.raises(BitwiseMismatch, match="first diverging op: model.layers.1.mlp.down_proj aten.mm"):
+        assert_bitwise(torch.ones(2), torch.zeros(2), localise=loc)
+    broken = lambda: 1 / 0
+    with pytest.raises(BitwiseMismatch, match="localisation failed: ZeroDivisionError"):
+        assert_bitwise(torch.ones(2), torch.zeros(2), localise=broken)
+
+
+def test_parity_metrics_exact_and_not():
+    e = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    m = parity_metrics(e, [t.clone() for t in e])
+    assert m.exact and m.tokens == 3
+    t = [torch.tensor([-1.0, -2.5]), torch.tensor([-0.5])]
+    m = parity_metrics(e, t)
+    assert not m.exact
+    assert m.max_abs_diff == 0.5 and math.isclose(m.mismatch_fraction, 1 / 3)
+    assert math.isclose(m.k1, 0.5 / 3)
+    assert math.isclose(m.k3, (math.expm1(-0.5) + 0.5) / 3)
+    with pytest.raises(ValueError):
+        parity_metrics(e, t[:1])
