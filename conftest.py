@@ -70,20 +70,3 @@ def engine_factory(impl, proxy):
         except NotImplementedError as exc:
             pytest.skip(f"no engine: {exc}")
     return make
-
-
-@pytest.fixture
-def record_metric(request):
-    """record_metric(name, value): a number that goes into the report's metrics table."""
-    def record(name: str, value) -> None:
-        request.node.user_properties.append((f"metric:{name}", value))
-    return record
-
-
-@pytest.fixture(scope="session")
-def artifact_dir(pytestconfig, tmp_path_factory) -> Path:
-    """Where checks write artifacts: DIR/artifacts under --report, else a session temp dir."""
-    report = pytestconfig.getoption("--report")
-    d = Path(report).resolve() / "artifacts" if report else tmp_path_factory.mktemp("artifacts")
-    d.mkdir(parents=True, exist_ok=True)
-    return d

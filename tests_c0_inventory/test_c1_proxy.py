@@ -1,0 +1,86 @@
+"""Gate C1 - Proxy model: built from the real model's config (same architecture class, at least
+one layer of every kind, experts >= top_k + 1, real widths on GPU), seeded random weights in the
+model's own on-disk format, loads in engine and trainer, same op-kind set as the real model, and
+a reproducible build (same seed -> same bytes)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures import op_kinds
+from fixtures.proxies import build_proxy, layer_kinds, source_config
+
+pytestmark = pytest.mark.C1
+
+_WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "num_experts", "num_local_experts", "n_routed_experts",
+           "num_experts_per_tok", "tie_word_embeddings", "mamba_num_heads", "ssm_state_size", "state_size")
+
+
+@pytest.fixture(scope="session")
+def real_config(model_name):
+    return source_config(model_name)
+
+
+def test_same_architecture_class(proxy, real_config):
+    real_arch = real_config.architectures or []
+    assert proxy.config.model_type == real_config.model_type
+    assert not real_arch or proxy.config.architectures == real_arch, \
+        f"proxy architectures {proxy.config.architectures} != real {real_arch}"
+    assert (proxy.path / "config.json").is_file()
+    assert any(proxy.path.glob("*.safetensors")), f"no safetensors weights in {proxy.path}"
+
+
+def test_every_layer_kind_kept(proxy, real_config):
+    real, mine = set(layer_kinds(real_config)), set(proxy.layer_kinds)
+    assert mine == real, f"layer kinds: real {sorted(real)}, proxy {sorted(mine)} (missing {sorted(real - mine)})"
+    assert list(proxy.layer_kinds) == layer_kinds(proxy.config), "proxy spec disagrees with its own config"
+
+
+def test_experts_exceed_top_k(proxy):
+    top_k = getattr(proxy.config, "num_experts_per_tok", None)
+    experts = [getattr(proxy.config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+               if getattr(proxy.config, k, None)]
+    if not top_k or not experts:
+        pytest.skip("n/a: no mixture-of-experts layers in this architecture")
+    assert all(e >= top_k + 1 for e in experts), f"experts {experts} must be >= top_k + 1 = {top_k + 1}"
+
+
+def test_widths_fit_the_lane(proxy, real_config, impl):
+    """Narrow widths only on the CPU lane: narrow GEMMs miss the variant kernel paths real widths hit."""
+    if proxy.size == "tiny":
+        if str(impl.device()).startswith("cuda"):
+            pytest.fail("a tiny (narrow) proxy on the GPU lane cannot give a GPU verdict: use --proxy shallow or full")
+        return
+    for key in _WIDTHS:
+        if hasattr(real_config, key):
+            assert getattr(proxy.config, key) == getattr(real_config, key), \
+                f"{proxy.size} proxy changed {key}: {getattr(proxy.config, key)} vs real {getattr(real_config, key)}"
+    if proxy.size == "full":
+        assert proxy.config.num_hidden_layers == real_config.num_hidden_layers
+
+
+def test_loads_in_trainer(trainer, proxy):
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, proxy.config.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
+    lps = trainer.logprobs(seqs)
+    assert [lp.numel() for lp in lps] == [4, 8]
+    assert all(torch.isfinite(lp).all() and (lp <= 0).all() for lp in lps)
+
+
+def test_loads_in_engine(engine_factory, proxy):
+    with engine_factory() as engine:
+        lps = engine.prompt_logprobs([[1, 2, 3, 4]])
+    assert lps[0].numel() == 3 and torch.isfinite(lps[0]).all()
+
+
+def test_op_kinds_equal_real_model(trainer, proxy, real_config):
+    mine = op_kinds.op_kinds(trainer.module(), vocab_size=proxy.config.vocab_size)
+    real = op_kinds.real_op_kinds(real_config)
+    assert mine == real, op_kinds.describe_difference(mine, real)
+
+
+def test_build_is_reproducible(proxy, model_name, tmp_path, impl):
+    again = build_proxy(model_name, proxy.size, tmp_path / "again", seed=proxy.seed, dtype=impl.dtype())
+    assert again.weights_sha256 == proxy.weights_sha256, "same seed gave different weight bytes"
+    assert (again.path / "config.json").read_bytes() == (proxy.path / "config.json").read_bytes()

@@ -1,0 +1,143 @@
+"""The plugin end to end, in subprocesses: gate markers, --upto ordering and blocking, verdicts
+(also under xdist), the report files, the header, and clear errors for bad input."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+GATE_SUITE = {
+    "tests_c0_inventory/test_a.py": """
+import pytest
+@pytest.mark.C0
+def test_c0(): pass
+@pytest.mark.C1
+def test_c1_fails(): assert {fail}
+@pytest.mark.C1
+def test_c1_ok(record_metric): record_metric("answer", 42)
+""",
+    "tests_c5_invariance/test_b.py": """
+import pytest
+@pytest.mark.C2
+def test_c2(): pass
+@pytest.mark.C3
+def test_c3_skips(): pytest.skip("no CUDA")
+""",
+}
+
+
+@pytest.fixture
+def suite(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def make(fail: bool = True, extra: dict | None = None):
+        files = {k: v.replace("{fail}", "False" if fail else "True") for k, v in GATE_SUITE.items()}
+        files.update(extra or {})
+        for path, text in files.items():
+            p = pytester.path / path
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+        return pytester
+    return make
+
+
+def run(pytester, *args):
+    return pytester.runpytest_inprocess("-p", "fixtures.plugin", "--model", "llama", "-p", "no:cacheprovider", *args)
+
+
+def test_upto_blocks_later_gates_and_reports(suite):
+    pt = suite(fail=True)
+    res = run(pt, "--upto", "C3", "--report=rep")
+    res.assert_outcomes(passed=2, failed=1, skipped=2)
+    out = res.stdout.str()
+    assert "gate verdicts" in out and "blocked by C1" in out
+    doc = json.loads((pt.path / "rep" / "report.json").read_text())
+    v = {g: doc["gates"][g]["models"]["llama"] for g in doc["gates"]}
+    assert v["C0"]["status"] == "pass" and v["C1"]["status"] == "fail"
+    assert v["C2"]["status"] == "blocked" and v["C2"]["label"] == "blocked by C1"
+    assert v["C3"]["status"] == "blocked"
+    assert v["C4"]["status"] == "missing" and v["C4"]["reason"] == "not requested in this run"
+    assert doc["metrics"] == [{"gate": "C1", "model": "*", "nodeid": "tests_c0_inventory/test_a.py::test_c1_ok",
+                               "name": "answer", "value": 42}]
+    assert (pt.path / "rep" / "junit.xml").is_file()
+    md = (pt.path / "rep" / "report.md").read_text()
+    assert "| C1 | Proxy model | [ ] fail (1/2) |" in md
+
+
+def test_all_green_gives_pass_and_not_run(suite):
+    pt = suite(fail=False)
+    res = run(pt, "--report=rep")
+    res.assert_outcomes(passed=4, skipped=1)
+    doc = json.loads((pt.path / "rep" / "report.json").read_text())
+    status = {g: doc["gates"][g]["overall"] for g in doc["gates"]}
+    assert status["C0"] == status["C1"] == status["C2"] == "pass"
+    assert status["C3"] == "not run" and "no CUDA" in doc["gates"]["C3"]["models"]["llama"]["reason"]
+    assert all(status[g] == "missing" for g in ("C4", "C5", "C10"))
+
+
+def test_strict_gates_turns_missing_into_a_red_exit(suite):
+    pt = suite(fail=False)
+    assert run(pt, "--upto", "C2").ret == 0
+    assert run(pt, "--upto", "C2", "--strict-gates").ret == 0
+    assert run(pt, "--upto", "C4", "--strict-gates").ret == 1   # C3 not run, C4 missing
+
+
+def test_verdicts_computed_once_by_the_xdist_controller(suite):
+    pytest.importorskip("xdist")
+    pt = suite(fail=True)
+    res = run(pt, "-n", "2", "--upto", "C3", "--report=rep")
+    assert res.ret == 1
+    out = res.stdout.str()
+    assert out.count("gate verdicts") == 1
+    doc = json.loads((pt.path / "rep" / "report.json").read_text())
+    v = {g: doc["gates"][g]["models"]["llama"]["status"] for g in ("C0", "C1", "C2", "C3")}
+    assert v == {"C0": "pass", "C1": "fail", "C2": "blocked", "C3": "blocked"}
+    assert doc["metrics"] and doc["metrics"][0]["value"] == 42
+
+
+def test_a_check_without_gate_marker_is_a_collection_error(suite):
+    pt = suite(extra={"tests_c8_training/test_c.py": "def test_unmarked(): pass\n"})
+    res = run(pt)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    assert "exactly one gate marker" in res.stderr.str() and "test_unmarked: no gate marker" in res.stderr.str()
+
+
+def test_header_echoes_the_implementation(suite):
+    res = run(suite(fail=False), "--co")
+    out = res.stdout.str()
+    assert "conformance impl: impl=reference" in out
+    assert "conformance models: llama; proxy: tiny" in out
+    assert "conformance device: cpu" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model=/no/such/model/dir"], "no such directory"),
+    (["--model=unknown_arch"], "no such directory (built-in recipes: "),
+    (["--impl", "no_such_module:make"], "cannot import module 'no_such_module'"),
+    (["--impl", "fixtures.gates:GATES"], "has no callable 'GATES'"),
+    (["--impl", "noformat"], "expected a built-in name"),
+    (["--upto", "C99"], "unknown gate 'C99'"),
+])
+def test_bad_input_is_a_clear_usage_error(suite, args, message):
+    pt = suite(fail=False)
+    res = pt.runpytest_inprocess("-p", "fixtures.plugin", "-p", "no:cacheprovider", *args)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    err = res.stderr.str()
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def test_corrupt_and_foreign_model_dirs(suite, tmp_path):
+    pt = suite(fail=False)
+    bad = tmp_path / "corrupt"; bad.mkdir(); (bad / "config.json").write_text("{not json")
+    foreign = tmp_path / "foreign"; foreign.mkdir(); (foreign / "config.json").write_text('{"model_type": "bert"}')
+    empty = tmp_path / "empty"; empty.mkdir()
+    for d, message in ((bad, "not valid JSON"), (foreign, "no proxy recipe"), (empty, "has no config.json")):
+        res = pt.runpytest_inprocess("-p", "fixtures.plugin", f"--model={d}")
+        assert res.ret == pytest.ExitCode.USAGE_ERROR and message in res.stderr.str(), res.stderr.str()
