@@ -68,5 +68,17 @@ def engine_factory(impl, proxy):
         try:
             return impl.make_engine(proxy.path, settings)
         except NotImplementedError as exc:
-            pytest.skip(f"no engine: {exc}")
+            msg = str(exc)
+            pytest.skip(msg if msg.startswith("n/a") else f"n/a (no engine): {msg}")
     return make
+
+
+@pytest.fixture(scope="session")
+def engine(engine_factory):
+    """The engine under test with default EngineSettings (invariance on), shared per model.
+
+    generate(requests) -> [Completion] in request order; prompt_logprobs(seqs) -> [float32 len-1];
+    capabilities() -> Capabilities; last_stats() -> EngineStats of the last generate() call,
+    the evidence that a declared mechanism (prefix cache, chunking, preemption) engaged."""
+    with engine_factory() as e:
+        yield e

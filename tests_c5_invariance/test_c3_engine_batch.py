@@ -1,0 +1,69 @@
+"""Gate C3 - Engine batch invariance: a needle request alone equals the same request at random
+positions among N random requests; batch of 1 equals batch of N; the same batch twice gives the
+same bits; greedy and seeded sampling alike; token ids and sampled-token logprobs compared."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, note, strategies as st
+
+from fixtures.comparison import BitwiseMismatch
+from fixtures.contract import EngineSettings, Request, SamplingParams
+from fixtures.workloads import (assert_same_completion, assert_same_completions, engine_settings, max_batch,
+                                needle_batch, requests)
+
+pytestmark = pytest.mark.C3
+
+@engine_settings()
+@given(data=st.data())
+def test_needle_alone_equals_needle_in_batch(engine, proxy, data):
+    needle, others, pos = data.draw(needle_batch(proxy.config.vocab_size, max_batch()))
+    batch = others[:pos] + [needle] + others[pos:]
+    note(f"needle at {pos} among {len(others)}; needle prompt {len(needle.prompt_ids)} tokens, {needle.params}")
+    alone = engine.generate([needle])[0]
+    inside = engine.generate(batch)[pos]
+    assert engine.last_stats().max_running > 1 or len(batch) == 1, "the batch never ran requests together"
+    assert_same_completion(alone, inside, lhs="alone", rhs=f"at {pos} in a batch of {len(batch)}",
+                           batch_size=len(batch), needle_position=pos)
+
+
+@engine_settings(divisor=8, floor=1)
+@given(reqs=st.data())
+def test_every_request_alone_equals_batch(engine, proxy, reqs):
+    batch = reqs.draw(requests(proxy.config.vocab_size, 7))
+    together = engine.generate(batch)
+    for r, c in zip(batch, together):
+        assert_same_completion(engine.generate([r])[0], c, lhs="batch of 1", rhs="batch of 7")
+
+
+def test_same_batch_twice(engine, proxy):
+    batch = _fixed_batch(proxy.config.vocab_size, 9)
+    first, second = engine.generate(batch), engine.generate(batch)
+    assert_same_completions(first, second, lhs="run 1", rhs="run 2")
+
+
+def _fixed_batch(vocab: int, n: int, seed: int = 0) -> list[Request]:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(1, 40, (1,), generator=g))
+        ids = tuple(torch.randint(0, vocab, (length,), generator=g).tolist())
+        params = SamplingParams(max_tokens=2 + i % 5, temperature=0.0 if i % 2 else 1.0, seed=i)
+        out.append(Request(f"r{i}", ids, params))
+    return out
+
+
+def test_control_stock_kernels_are_seen(engine_factory, proxy):
+    """Negative control: the same needle check on the engine with stock kernels must see a
+    difference (CPU fp32 GEMM is batch-variant from a few rows); where it does not, the check is
+    inconclusive on this hardware - reported, never a silent pass."""
+    batch = _fixed_batch(proxy.config.vocab_size, 16, seed=3)
+    with engine_factory(EngineSettings(batch_invariant=False)) as stock:
+        alone = [stock.generate([r])[0] for r in batch[:4]]
+        together = stock.generate(batch)[:4]
+    try:
+        for a, b in zip(alone, together):
+            assert_same_completion(a, b, lhs="alone", rhs="in a batch of 16")
+    except BitwiseMismatch:
+        return
+    pytest.skip("inconclusive on this hardware: stock kernels gave identical bits alone and in a batch of 16")
