@@ -141,3 +141,58 @@ def test_corrupt_and_foreign_model_dirs(suite, tmp_path):
     for d, message in ((bad, "not valid JSON"), (foreign, "no proxy recipe"), (empty, "has no config.json")):
         res = pt.runpytest_inprocess("-p", "fixtures.plugin", f"--model={d}")
         assert res.ret == pytest.ExitCode.USAGE_ERROR and message in res.stderr.str(), res.stderr.str()
+
+
+def test_known_failures_file_is_strict_and_reports_stale_ids(suite):
+    pt = suite(fail=True)
+    (pt.path / "known.txt").write_text(
+        "tests_c0_inventory/test_a.py::test_c1_fails  # tracked upstream: fused norm switches blocks at 256\n"
+        "tests_c0_inventory/test_a.py::test_gone  # renamed long ago\n")
+    res = run(pt, "--xfails", "known.txt", "--report=rep")
+    res.assert_outcomes(passed=3, xfailed=1, skipped=1)
+    assert "--xfails entry matches no collected test: tests_c0_inventory/test_a.py::test_gone" in res.stdout.str()
+    doc = json.loads((pt.path / "rep" / "report.json").read_text())
+    assert doc["run"]["stale_xfails"] == ["tests_c0_inventory/test_a.py::test_gone"]
+    c1 = doc["gates"]["C1"]["models"]["llama"]
+    assert c1["status"] == "fail", "an expected failure is still a failure of its gate (the run stays green)"
+    # strict: a known failure that passes is a failure
+    pt2 = suite(fail=False)
+    res = run(pt2, "--xfails", "known.txt")
+    res.assert_outcomes(passed=3, failed=1, skipped=1)
+
+
+def test_known_failure_without_reason_is_refused(suite):
+    pt = suite(fail=True)
+    (pt.path / "known.txt").write_text("tests_c0_inventory/test_a.py::test_c1_fails\n")
+    res = run(pt, "--xfails", "known.txt")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR and "needs a reason" in res.stderr.str()
+
+
+def test_a_killed_run_still_leaves_a_report_that_says_so(suite):
+    import signal
+    import subprocess
+    import sys
+    import time
+    pt = suite(fail=False, extra={"tests_c8_training/test_slow.py": """
+import time, pytest
+@pytest.mark.C6
+def test_slow():
+    time.sleep(60)
+"""})
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "fixtures.plugin", "--model", "llama",
+                             "-p", "no:cacheprovider", "--report=rep"], cwd=pt.path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    report = pt.path / "rep" / "report.json"
+    deadline = time.time() + 60
+    while time.time() < deadline and not report.exists():
+        time.sleep(0.2)
+    assert report.exists(), "no report was written while the run was going on"
+    doc = json.loads(report.read_text())
+    assert doc["run"]["status"] == "running" and "did not finish" in doc["run"]["interrupted"]
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    doc = json.loads(report.read_text())
+    assert doc["run"]["status"] == "finished"
+    assert "interrupted" in doc["run"]["interrupted"]
+    assert "The run did not finish" in (pt.path / "rep" / "report.md").read_text()
