@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.inventory import PHASES, take_inventory
+from fixtures.inventory import PHASES, kernel_table_problems, take_inventory
 from fixtures.plugin import model_id
 
 pytestmark = pytest.mark.C0
@@ -12,9 +12,12 @@ pytestmark = pytest.mark.C0
 
 @pytest.fixture(scope="session")
 def inventory(trainer, proxy, model_name, impl, artifact_dir):
-    """The traced inventory of the trainer's module for this model, written into the report."""
+    """The traced inventory of the trainer's module for this model, written into the report.
+
+    Traced inside the implementation's kernel mode (`impl.kernel_mode()`, where it has one), so the
+    inventory also records which kernel really served each op."""
     inv = take_inventory(trainer.module(), model_id(model_name), vocab_size=proxy.config.vocab_size,
-                         table=impl.kernel_table())
+                         table=impl.kernel_table(), kernel_mode=getattr(impl, "kernel_mode", None))
     inv.write(artifact_dir, f"inventory-{model_id(model_name)}")
     return inv
 
@@ -46,3 +49,20 @@ def test_every_module_class_listed(inventory, trainer):
            for c, ops in inventory.module_classes.items()}
     bad = {c: o for c, o in bad.items() if o}
     assert not bad, f"module classes with unmapped ops: {bad}"
+
+
+def test_kernel_table_both_ways(inventory, impl):
+    """The kernel table checked against what the kernel mode really dispatched, both ways: every
+    kernel the table claims for an op the model reaches was dispatched for it, and no KERNEL-policy
+    op ran stock (slipped through the mode)."""
+    if not inventory.kernel_mode:
+        pytest.fail(f"{impl.name}: the implementation exposes no kernel_mode() (a zero-argument factory of "
+                    "the context manager its trainer runs under), so the kernel table cannot be checked "
+                    "against what was really dispatched; add one (see fixtures.reference.ReferenceImplementation)")
+    if not inventory.served and not inventory.unserved:
+        pytest.fail(f"{inventory.kernel_mode} reported nothing served: it must count served ops as "
+                    "`served_ops: Counter[(op, kernel)]` and `passed_through: Counter[op]` (fixtures.invariant_mode)")
+    problems, notes = kernel_table_problems(inventory)
+    assert not problems, (
+        f"kernel table vs kernel mode ({inventory.kernel_mode}) for {inventory.model}: {len(problems)} problem(s)\n  "
+        + "\n  ".join(problems) + ("\n notes:\n  " + "\n  ".join(notes) if notes else ""))

@@ -59,3 +59,15 @@ def test_models_are_judged_separately_and_shared_checks_count_for_all():
 def test_not_requested_gates_say_so():
     out = v([r("C0", "passed")], not_requested=["C2", "C3"])["m"]
     assert out["C3"].status == "missing" and out["C3"].reason == "not requested in this run"
+
+
+def test_an_earlier_gate_that_did_not_run_leaves_skipped_gates_not_run():
+    out = v([r("C0", "skipped", reason="no CUDA"), r("C1", "skipped", reason="no CUDA", nodeid="x"),
+             r("C2", "passed")])["m"]
+    assert out["C0"].status == "not run" and out["C1"].status == "not run"
+    assert out["C2"].status == "blocked" and out["C2"].reason.startswith("blocked by C0: C0 is not run")
+
+
+def test_a_failed_gate_blocks_even_checks_that_skipped_for_other_reasons():
+    out = v([r("C0", "failed"), r("C1", "skipped", reason="no CUDA")])["m"]
+    assert out["C1"].status == "blocked" and out["C1"].label() == "blocked by C0"
