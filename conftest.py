@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["fixtures.plugin"]
+pytest_plugins = ["fixtures.plugin", "fixtures.fault_plugin"]
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,22 @@ def test_every_request_alone_equals_batch(engine, proxy, reqs):
         assert_same_completion(engine.generate([r])[0], c, lhs="batch of 1", rhs="batch of 7")
 
 
+@pytest.mark.parametrize("others, position", [(11, 9), (44, 40)], ids=["needle-9-of-12", "needle-40-of-45"])
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
+def test_needle_past_batch_thresholds(engine, proxy, others, position, greedy):
+    """Pinned cases beyond the thresholds where real engines were seen to switch (more than 8
+    co-resident requests; about 44 sequences sharing a sampler batch), needle late in the batch."""
+    batch = _fixed_batch(proxy.config.vocab_size, others + 1, seed=others)
+    needle = Request("needle", batch[position].prompt_ids,
+                     SamplingParams(max_tokens=6, temperature=0.0 if greedy else 1.0, seed=77))
+    batch[position] = needle
+    alone = engine.generate([needle])[0]
+    inside = engine.generate(batch)[position]
+    assert engine.last_stats().max_running > 8, f"the batch never had more than 8 requests together: {engine.last_stats()}"
+    assert_same_completion(alone, inside, lhs="alone", rhs=f"at {position} in a batch of {len(batch)}",
+                           batch_size=len(batch), needle_position=position)
+
+
 def test_same_batch_twice(engine, proxy):
     batch = _fixed_batch(proxy.config.vocab_size, 9)
     first, second = engine.generate(batch), engine.generate(batch)
