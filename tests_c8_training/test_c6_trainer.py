@@ -26,6 +26,27 @@ def _layouts(trainer) -> list[Layout]:
     return list(getattr(trainer, "layouts", tuple(Layout)))
 
 
+def _localiser(trainer, batch, layout):
+    """On a mismatch: the first op where the first differing sequence alone and inside the batch
+    part ways (the trainer is traceable: its module() runs the forward)."""
+    from fixtures.comparison import compare
+    from fixtures.localise import Rows, localise
+
+    def run() -> str:
+        alone = _alone(trainer, batch, layout)
+        together = trainer.logprobs(batch, layout=layout)
+        d = compare(together, alone)
+        i = d.first[0] if d.first else 0
+        n = len(batch[i])
+        start = sum(len(s) for s in batch[:i])
+        rows_b = Rows.span(start, n) if layout is Layout.PACKED else Rows.row(i, n)
+        loc = localise(lambda: trainer.logprobs([batch[i]], layout=layout),
+                       lambda: trainer.logprobs(batch, layout=layout), trainer.module(),
+                       Rows.row(0, n), rows_b, names=("alone", f"in the batch at {i}"))
+        return loc.describe() if loc is not None else "no op-level divergence found in the trainer's module"
+    return run
+
+
 def _alone(trainer, seqs, layout=Layout.PADDED):
     return [trainer.logprobs([s], layout=layout)[0] for s in seqs]
 
@@ -60,8 +81,9 @@ def test_position_and_composition(trainer, proxy, data):
     layout = data.draw(st.sampled_from(_layouts(trainer)), label="layout")
     together = trainer.logprobs([seqs[i] for i in perm], layout=layout)
     alone = _alone(trainer, [seqs[i] for i in perm], layout)
+    ordered = [seqs[i] for i in perm]
     assert_bitwise(together, alone, what="trainer logprobs", lhs_name=f"in a shuffled batch of {len(seqs)}",
-                   rhs_name="alone", layout=layout.value)
+                   rhs_name="alone", layout=layout.value, localise=_localiser(trainer, ordered, layout))
 
 
 def test_run_to_run(trainer, proxy):
