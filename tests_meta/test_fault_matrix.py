@@ -24,6 +24,8 @@ import json
 import time
 import tomllib
 import warnings
+
+from fixtures.faults import MatrixPending  # importable by the xdist controller, which rebuilds warnings
 from pathlib import Path
 
 import pytest
@@ -43,8 +45,6 @@ QUICK = {                         # fault -> the last gate the quick run goes to
 }
 
 
-class MatrixPending(UserWarning):
-    """A fault's gate has no checks yet (or was not run in quick mode): only earlier gates checked."""
 
 
 def _gate_paths() -> list[str]:
@@ -63,6 +63,31 @@ class _Reports:
 
 
 def _run_chain(tmp_path, fault, upto: str, *, model: str | None = None) -> tuple[dict, dict[str, list[str]]]:
+    """_run_chain_here in a forked child: the inner pytest.main keeps this process's imports (fast)
+    but none of its state - a pytest-xdist worker's modules and sys.path stay untouched."""
+    import os
+    import traceback
+    out = tmp_path / f"chain-{fault.name if fault else 'baseline'}-{upto}.json"
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            verdicts, texts = _run_chain_here(tmp_path, fault, upto, model=model)
+            out.write_text(json.dumps({"verdicts": verdicts, "texts": texts}, default=str))
+        except BaseException:
+            out.write_text(json.dumps({"error": traceback.format_exc()}))
+            code = 1
+        finally:
+            os._exit(code)
+    os.waitpid(pid, 0)
+    assert out.is_file(), f"the inner run for {fault.name if fault else 'baseline'} left no result"
+    doc = json.loads(out.read_text())
+    if "error" in doc:
+        pytest.fail(f"inner run failed:\n{doc['error']}")
+    return doc["verdicts"], doc["texts"]
+
+
+def _run_chain_here(tmp_path, fault, upto: str, *, model: str | None = None) -> tuple[dict, dict[str, list[str]]]:
     """Run C0..upto in-process with `fault` planted (None: no fault, the baseline);
     (gate -> verdict dict, gate -> failure texts).
 

@@ -1,0 +1,558 @@
+"""The vLLM adapter (fixtures.vllm_engine, fixtures.vllm_worker) without vLLM: the settings and
+sampling mappings, RequestOutput -> Completion on objects shaped like vLLM 0.26's, the worker
+protocol end to end through the worker's fake backend (errors, crashes and hangs come back as
+clear exceptions), engine reuse, and the "n/a" skip where vLLM or CUDA is missing. The tests
+marked gpu/vllm run the real engine and skip with a one-line reason elsewhere."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures import vllm_engine as ve
+from fixtures.contract import ContractError, EngineSettings, Request, SamplingParams
+
+pytest_plugins = ["pytester"]
+ROOT = Path(__file__).resolve().parents[1]
+
+# shaped like vLLM 0.26: vllm/outputs.py RequestOutput / CompletionOutput, vllm/logprobs.py Logprob
+Logprob = namedtuple("Logprob", "logprob rank decoded_token")
+CompletionOutput = namedtuple("CompletionOutput", "index text token_ids cumulative_logprob logprobs finish_reason "
+                                                  "stop_reason")
+RequestOutput = namedtuple("RequestOutput", "request_id prompt prompt_token_ids prompt_logprobs outputs finished "
+                                            "num_cached_tokens")
+
+
+class FlatLike:
+    """A FlatLogprobs stand-in: positions read through __getitem__ as {token: Logprob}."""
+
+    def __init__(self, positions):
+        self.token_ids = [t for p in positions for t in p]
+        self.logprobs = [v for p in positions for v in p.values()]
+        self.bounds = []
+        start = 0
+        for p in positions:
+            self.bounds.append((start, start + len(p)))
+            start += len(p)
+
+    def __len__(self):
+        return len(self.bounds)
+
+    def __getitem__(self, i):
+        a, b = self.bounds[i]
+        return {self.token_ids[k]: Logprob(self.logprobs[k], 1, None) for k in range(a, b)}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A directory the fake worker accepts: config.json is all it reads."""
+    d = tmp_path_factory.mktemp("fake-model")
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000, "eos_token_id": 7}))
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# EngineSettings -> LLM kwargs, worker env
+# ---------------------------------------------------------------------------------------------
+def test_default_kwargs(model_dir):
+    kw = ve.llm_kwargs(model_dir, EngineSettings())
+    assert kw["model"] == str(model_dir)
+    assert kw["skip_tokenizer_init"] is True and kw["logprobs_mode"] == "raw_logprobs" and kw["dtype"] == "bfloat16"
+    assert kw["enforce_eager"] is True and "compilation_config" not in kw
+    assert kw["attention_config"] == {"backend": "FLASH_ATTN"}
+    assert (kw["enable_prefix_caching"], kw["enable_chunked_prefill"], kw["async_scheduling"]) == (True, True, True)
+    assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["max_model_len"]) == (256, 8192, 2048)
+    assert "num_gpu_blocks_override" not in kw and kw["kv_cache_memory_bytes"] == 4 << 30
+    assert kw["tensor_parallel_size"] == 1
+
+
+@pytest.mark.parametrize("graphs, compiled, expect", [
+    (False, False, {"enforce_eager": True}),
+    (False, True, {"enforce_eager": False, "compilation_config": {"mode": "VLLM_COMPILE", "cudagraph_mode": "NONE"}}),
+    (True, False, {"enforce_eager": False, "compilation_config": {"mode": "NONE", "cudagraph_mode": "FULL"}}),
+    (True, True, {"enforce_eager": False, "compilation_config": {"mode": "VLLM_COMPILE",
+                                                                 "cudagraph_mode": "FULL_AND_PIECEWISE"}}),
+])
+def test_graphs_and_compilation_vary_separately(model_dir, graphs, compiled, expect):
+    kw = ve.llm_kwargs(model_dir, EngineSettings(cuda_graphs=graphs, compilation=compiled))
+    assert {k: kw[k] for k in expect} == expect
+    if not compiled or not graphs:
+        assert "compilation_config" not in kw or kw["compilation_config"]["cudagraph_mode"] != "PIECEWISE"
+
+
+@pytest.mark.parametrize("settings, expect", [
+    (EngineSettings(max_num_batched_tokens=5), {"max_num_batched_tokens": 5, "max_num_seqs": 5}),
+    (EngineSettings(enable_chunked_prefill=False, max_num_batched_tokens=1024),
+     {"enable_chunked_prefill": False, "max_model_len": 1024, "max_num_seqs": 256}),
+    (EngineSettings(kv_cache_blocks=12), {"num_gpu_blocks_override": 12, "max_model_len": 192}),
+    (EngineSettings(max_num_seqs=3), {"max_num_seqs": 3, "max_num_batched_tokens": 8192}),
+    (EngineSettings(enable_prefix_caching=False, async_scheduling=False),
+     {"enable_prefix_caching": False, "async_scheduling": False}),
+    (EngineSettings(attention_backend="TRITON_ATTN"), {"attention_config": {"backend": "TRITON_ATTN"}}),
+    (EngineSettings(extra={"llm_kwargs": {"block_size": 32}, "max_model_len": 4096}),
+     {"block_size": 32, "max_model_len": 4096}),
+])
+def test_settings_map_to_kwargs_vllm_accepts(model_dir, settings, expect):
+    """Including the adjustments vLLM's validation forces (budget >= max_num_seqs, ...)."""
+    kw = ve.llm_kwargs(model_dir, settings)
+    assert {k: kw[k] for k in expect} == expect
+    assert kw["max_num_batched_tokens"] >= kw["max_num_seqs"]
+    if not kw["enable_chunked_prefill"]:
+        assert kw["max_num_batched_tokens"] >= kw["max_model_len"]
+
+
+def test_same_configuration_same_key(model_dir):
+    explicit = EngineSettings(enable_prefix_caching=True, enable_chunked_prefill=True, cuda_graphs=False,
+                              compilation=False, async_scheduling=True, max_num_seqs=256, attention_backend="FLASH_ATTN")
+    assert ve.engine_key(model_dir, EngineSettings()) == ve.engine_key(model_dir, explicit)
+    others = [EngineSettings(batch_invariant=False), EngineSettings(max_num_seqs=3), EngineSettings(cuda_graphs=True),
+              EngineSettings(extra={"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}})]
+    keys = {ve.engine_key(model_dir, s) for s in [EngineSettings()] + others}
+    assert len(keys) == 1 + len(others)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_worker_env_is_prepared_before_vllm_import(invariant):
+    env = ve.worker_env(EngineSettings(batch_invariant=invariant), base={"PYTHONPATH": "/tmp/site", "HOME": "/root",
+                                                                          "VLLM_BATCH_INVARIANT": "1"})
+    assert env["VLLM_BATCH_INVARIANT"] == ("1" if invariant else "0")
+    for k, v in {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
+                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1"}.items():
+        assert env[k] == v, k
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/tmp/site"] and env["HOME"] == "/root"
+    assert ve.FAKE_ENV not in env
+
+
+# ---------------------------------------------------------------------------------------------
+# SamplingParams -> vLLM SamplingParams kwargs
+# ---------------------------------------------------------------------------------------------
+def test_greedy_sampled_logprobs_only():
+    kw = ve.sampling_kwargs(SamplingParams(max_tokens=4))
+    assert kw["logprobs"] == 0 and kw["prompt_logprobs"] is None and kw["skip_reading_prefix_cache"] is False
+    assert (kw["temperature"], kw["seed"], kw["n"], kw["max_tokens"], kw["ignore_eos"]) == (0.0, None, 1, 4, True)
+    assert kw["detokenize"] is False and "stop_token_ids" not in kw
+
+
+def test_prompt_logprobs_skip_the_prefix_cache():
+    """vLLM has no logits for prompt positions read from the cache, so those requests skip it."""
+    kw = ve.sampling_kwargs(SamplingParams(), want_prompt_logprobs=True)
+    assert kw["prompt_logprobs"] == 0 and kw["skip_reading_prefix_cache"] is True
+
+
+@pytest.mark.parametrize("params, expect", [
+    (SamplingParams(temperature=1.0), {"seed": 0}),
+    (SamplingParams(temperature=0.7, seed=42, n=4), {"seed": 42, "n": 4, "temperature": 0.7}),
+    (SamplingParams(temperature=1.3, top_k=20), {"top_k": 20, "top_p": 1.0}),
+    (SamplingParams(temperature=0.5, top_p=0.5, top_k=7), {"top_k": 7, "top_p": 0.5}),
+    (SamplingParams(ignore_eos=False), {"ignore_eos": False, "stop_token_ids": [7]}),
+])
+def test_sampling_mapping(params, expect):
+    kw = ve.sampling_kwargs(params, eos_ids=(7,))
+    assert {k: kw[k] for k in expect} == expect
+
+
+def test_temperature_beyond_vllm_range_is_refused():
+    with pytest.raises(ValueError, match=r"accepts \[0, 2.0\]"):
+        ve.sampling_kwargs(SamplingParams(temperature=2.5))
+
+
+def test_eos_ids_from_config():
+    assert ve.eos_token_ids({"eos_token_id": [1, 2]}) == (1, 2)
+    assert ve.eos_token_ids({"eos_token_id": 5}) == (5,) and ve.eos_token_ids({}) == ()
+
+
+@pytest.mark.vllm
+def test_vllm_accepts_the_sampling_kwargs():
+    pytest.importorskip("vllm", reason="n/a: vLLM is not installed")
+    from vllm import SamplingParams as VSP
+    sp = VSP(**ve.sampling_kwargs(SamplingParams(temperature=1.0, top_p=0.8, n=2), want_prompt_logprobs=True))
+    assert sp.logprobs == 0 and sp.prompt_logprobs == 0 and sp.skip_reading_prefix_cache is True and sp.seed == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# RequestOutput -> Completion
+# ---------------------------------------------------------------------------------------------
+def _f32(x: float) -> float:
+    return torch.tensor([x], dtype=torch.float32).item()      # a float32 value as vLLM hands it over
+
+
+def _output(prompt, samples, *, prompt_lps=None, cached=3, rid="0"):
+    outs = [CompletionOutput(i, "", toks, None, [{t: Logprob(lp, 1, None), 99: Logprob(-0.5, 1, None)}
+                                                 for t, lp in zip(toks, lps)], "length", None)
+            for i, (toks, lps) in enumerate(samples)]
+    return RequestOutput(rid, None, list(prompt), prompt_lps, list(reversed(outs)), True, cached)
+
+
+def test_conversion_is_exact_and_ordered():
+    prompt = (5, 6, 7, 8)
+    a, b = [_f32(-1.2345678), _f32(-0.1)], [_f32(-3.3), _f32(-7.77)]
+    plp = [None] + [{t: Logprob(_f32(-1.0 - t / 7), 1, None)} for t in prompt[1:]]
+    req = Request("r", prompt, SamplingParams(n=2, max_tokens=2, temperature=1.0), want_prompt_logprobs=True)
+    c = ve.completion_from_output(req, _output(prompt, [([11, 12], a), ([13, 14], b)], prompt_lps=plp))
+    assert [s.token_ids for s in c.samples] == [[11, 12], [13, 14]]
+    assert torch.equal(c.samples[0].logprobs, torch.tensor(a, dtype=torch.float32))
+    assert torch.equal(c.samples[1].logprobs, torch.tensor(b, dtype=torch.float32))
+    assert c.samples[0].logprobs.dtype == torch.float32 and c.samples[0].processed_logprobs is None
+    assert torch.equal(c.prompt_logprobs, torch.tensor([_f32(-1.0 - t / 7) for t in prompt[1:]], dtype=torch.float32))
+    assert c.num_cached_tokens == 3 and c.prompt_ids == prompt and c.request_id == "r"
+
+
+def test_conversion_reads_flat_logprobs():
+    req = Request("r", (1, 2, 3), SamplingParams(max_tokens=2), want_prompt_logprobs=True)
+    out = RequestOutput("0", None, [1, 2, 3], FlatLike([{}, {2: -1.5}, {3: -2.5}]),
+                        [CompletionOutput(0, "", [4, 5], None, FlatLike([{4: -0.25, 9: -1.0}, {5: -0.75}]), "length",
+                                          None)], True, None)
+    c = ve.completion_from_output(req, out)
+    assert c.samples[0].logprobs.tolist() == [-0.25, -0.75] and c.prompt_logprobs.tolist() == [-1.5, -2.5]
+    assert c.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda o: o._replace(outputs=o.outputs[:1]), "samples"),
+    (lambda o: o._replace(prompt_token_ids=[1, 2]), "prompt ids"),
+    (lambda o: o._replace(outputs=[x._replace(logprobs=x.logprobs[:1]) for x in o.outputs]), "logprob positions"),
+    (lambda o: o._replace(outputs=[x._replace(logprobs=[{}, {}]) for x in o.outputs]), "missing"),
+    (lambda o: o._replace(prompt_logprobs=[None, {6: Logprob(-1.0, 1, None)}]), "prompt logprob positions"),
+    (lambda o: o._replace(outputs=[x._replace(logprobs=[{t: Logprob(0.5, 1, None)} for t in x.token_ids])
+                                   for x in o.outputs]), "<= 0"),
+])
+def test_conversion_names_the_breach(mutate, message):
+    prompt = (5, 6, 7)
+    plp = [None] + [{t: Logprob(-1.0, 1, None)} for t in prompt[1:]]
+    out = _output(prompt, [([1, 2], [-1.0, -2.0]), ([3, 4], [-1.0, -2.0])], prompt_lps=plp)
+    req = Request("r", prompt, SamplingParams(n=2, max_tokens=2, temperature=1.0), want_prompt_logprobs=True)
+    with pytest.raises(ContractError, match=message):
+        ve.completion_from_output(req, mutate(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# capabilities and the resolution check
+# ---------------------------------------------------------------------------------------------
+def _info(**over):
+    info = {"enable_prefix_caching": True, "enable_chunked_prefill": True, "async_scheduling": True,
+            "max_num_seqs": 256, "max_num_batched_tokens": 8192, "batch_invariant": True, "cudagraph_mode": "NONE",
+            "compilation_mode": "NONE", "num_gpu_blocks": 4096, "attention_backends": ["FLASH_ATTN"],
+            "probes": ["scheduler", "graphs", "compilation"]}
+    info.update(over)
+    return info
+
+
+def test_capabilities_follow_the_probes_and_the_resolved_config():
+    caps = ve.capabilities_from_info(_info())
+    assert caps.prefix_cache and caps.chunked_prefill and caps.preemption and caps.cuda_graphs
+    assert caps.compilation and caps.async_scheduling and caps.top_p and caps.top_k and caps.n_samples
+    assert caps.prompt_logprobs and caps.seeded_sampling and not caps.weight_update
+    bare = ve.capabilities_from_info(_info(probes=[], enable_prefix_caching=False))
+    assert not (bare.prefix_cache or bare.chunked_prefill or bare.preemption or bare.cuda_graphs or bare.compilation
+                or bare.async_scheduling)
+
+
+@pytest.mark.parametrize("settings, info, message", [
+    (EngineSettings(cuda_graphs=True), _info(cudagraph_mode="NONE"), "cuda_graphs: asked True"),
+    (EngineSettings(), _info(cudagraph_mode="FULL"), "cuda_graphs: asked False"),
+    (EngineSettings(compilation=True), _info(), "compilation: asked True"),
+    (EngineSettings(enable_chunked_prefill=False, max_num_batched_tokens=1024),
+     _info(max_num_batched_tokens=1024), "enable_chunked_prefill"),
+    (EngineSettings(kv_cache_blocks=12), _info(), "kv_cache_blocks"),
+    (EngineSettings(batch_invariant=False), _info(), "batch_invariant"),
+    (EngineSettings(attention_backend="TRITON_ATTN"), _info(), "attention_backend"),
+])
+def test_resolution_mismatches_are_named(settings, info, message):
+    bad = ve.resolution_mismatches(ve.effective_settings(settings), info)
+    assert any(message in b for b in bad), bad
+
+
+def test_honest_resolution_passes():
+    eff = ve.effective_settings(EngineSettings(cuda_graphs=True, compilation=True))
+    assert ve.resolution_mismatches(eff, _info(cudagraph_mode="FULL_AND_PIECEWISE", compilation_mode="VLLM_COMPILE")) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker protocol, through the fake backend
+# ---------------------------------------------------------------------------------------------
+def _reqs():
+    shared = list(range(100, 140))
+    return [Request("a", tuple(shared + [1, 2]), SamplingParams(max_tokens=3)),
+            Request("b", tuple(range(3, 9)), SamplingParams(max_tokens=2, temperature=1.0, seed=4, n=3)),
+            Request("c", tuple(shared + [5]), SamplingParams(max_tokens=1), want_prompt_logprobs=True)]
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_worker_round_trip(model_dir, invariant, tmp_path):
+    settings = EngineSettings(batch_invariant=invariant, max_num_seqs=7)
+    with ve.VLLMEngine(model_dir, settings, fake="echo", log_dir=tmp_path) as eng:
+        assert eng.info["env"]["VLLM_BATCH_INVARIANT"] == ("1" if invariant else "0")
+        assert eng.info["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert eng.info["llm_kwargs"] == ve.llm_kwargs(model_dir, settings)
+        assert eng.capabilities().prefix_cache and eng.name == "vllm-fake"
+        out = eng.generate(_reqs())
+        assert [c.request_id for c in out] == ["a", "b", "c"]
+        assert [len(c.samples) for c in out] == [1, 3, 1] and [len(s.token_ids) for s in out[1].samples] == [2, 2, 2]
+        assert out[1].samples[0].token_ids != out[1].samples[1].token_ids      # seed + index per sample
+        assert out[2].prompt_logprobs.shape == (len(_reqs()[2].prompt_ids) - 1,) and out[0].prompt_logprobs is None
+        assert eng.last_stats().max_running == 5 and eng.last_stats().extra["fake"]
+        lps = eng.prompt_logprobs([[1, 2, 3], [4]])
+        assert [t.shape[0] for t in lps] == [2, 0] and all(t.dtype == torch.float32 for t in lps)
+        proc = eng.proc
+    assert proc.poll() is not None, "close() must end the worker process"
+
+
+def test_prefix_cache_evidence_and_reset(model_dir, tmp_path):
+    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
+        a, b, c = _reqs()
+        assert eng.generate([a])[0].num_cached_tokens == 0
+        hit = eng.generate([Request("b2", a.prompt_ids[:40] + (9, 9), SamplingParams())])[0]
+        assert hit.num_cached_tokens == 32 and eng.last_stats().cached_prompt_tokens == 32
+        assert eng.generate([c])[0].num_cached_tokens == 0        # prompt logprobs: never read from the cache
+        assert eng.reset_prefix_cache()
+        assert eng.generate([Request("b3", a.prompt_ids[:40] + (9,), SamplingParams())])[0].num_cached_tokens == 0
+
+
+def test_worker_errors_come_back_with_traceback(model_dir, tmp_path):
+    with ve.VLLMEngine(model_dir, fake="error_generate", log_dir=tmp_path) as eng:
+        with pytest.raises(ve.VLLMWorkerError, match="ValueError: fake generate failure") as info:
+            eng.generate(_reqs())
+        assert "worker traceback" in str(info.value) and "vllm_worker.py" in str(info.value)
+        assert "in generate" in str(info.value)
+        assert eng.alive, "an error reply leaves the worker usable"
+
+
+def test_start_failure_is_clear_and_leaves_no_process(model_dir, tmp_path, monkeypatch):
+    started = []
+    real_popen = ve.subprocess.Popen
+    monkeypatch.setattr(ve.subprocess, "Popen", lambda *a, **k: started.append(real_popen(*a, **k)) or started[-1])
+    with pytest.raises(ve.VLLMWorkerError, match="engine start raised RuntimeError: fake start failure"):
+        ve.VLLMEngine(model_dir, fake="fail_start", log_dir=tmp_path)
+    assert started and started[0].poll() is not None
+
+
+def test_hang_times_out_and_kills(model_dir, tmp_path):
+    eng = ve.VLLMEngine(model_dir, fake="hang_generate", log_dir=tmp_path, call_timeout=3)
+    t0 = time.monotonic()
+    with pytest.raises(ve.VLLMWorkerTimeout, match="no answer within 3 s"):
+        eng.generate(_reqs())
+    assert time.monotonic() - t0 < 30 and eng.proc.poll() is not None and not eng.alive
+    with pytest.raises(ve.VLLMWorkerError, match="unusable"):
+        eng.generate(_reqs())
+    eng.close()
+
+
+def test_crash_is_reported_with_exit_code_and_log(model_dir, tmp_path):
+    eng = ve.VLLMEngine(model_dir, fake="crash_generate", log_dir=tmp_path)
+    with pytest.raises(ve.VLLMWorkerError, match="exited without answering") as info:
+        eng.generate(_reqs())
+    assert "exit code 7" in str(info.value) and "fake worker crashing now" in str(info.value)
+    eng.close()
+
+
+def test_unresolved_mode_fails_at_start(model_dir, tmp_path, monkeypatch):
+    """An engine never claims a mode vLLM did not resolve (here: graphs asked, NONE resolved)."""
+    monkeypatch.setattr(ve, "resolution_mismatches", lambda eff, info: ["cuda_graphs: asked True, vLLM resolved NONE"])
+    with pytest.raises(ve.VLLMResolutionError, match="cuda_graphs: asked True"):
+        ve.VLLMEngine(model_dir, EngineSettings(cuda_graphs=True), fake="echo", log_dir=tmp_path)
+
+
+def test_generate_validates_input(model_dir, tmp_path):
+    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
+        with pytest.raises(ValueError, match="empty prompt"):
+            eng.generate([Request("e", (), SamplingParams())])
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            eng.generate([Request("v", (1000,), SamplingParams())])
+        assert eng.generate([]) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# the implementation: n/a where vLLM or CUDA is missing, engine reuse
+# ---------------------------------------------------------------------------------------------
+def test_make_engine_without_vllm_is_na(model_dir, monkeypatch):
+    monkeypatch.setattr(ve, "vllm_version", lambda: None)
+    with pytest.raises(NotImplementedError, match=r"^n/a: vLLM is not installed \(pip install \.\[vllm\]"):
+        ve.VLLMImplementation().make_engine(model_dir)
+
+
+def test_make_engine_without_cuda_is_na(model_dir, monkeypatch):
+    monkeypatch.setattr(ve, "vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(NotImplementedError, match="^n/a: vLLM needs a CUDA device"):
+        ve.VLLMImplementation().make_engine(model_dir)
+
+
+def test_engine_factory_turns_na_into_a_skip(pytester, monkeypatch):
+    monkeypatch.setattr(ve, "vllm_version", lambda: None)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    pytester.makeconftest((ROOT / "conftest.py").read_text())
+    pytester.makepyfile(test_engine="""
+def test_engine(engine_factory):
+    with engine_factory() as e:
+        e.generate([])
+""")
+    res = pytester.runpytest_inprocess("--impl", "vllm", "--model", "llama", "--proxy", "tiny", "-p", "no:cacheprovider",
+                                       "-rs")
+    res.assert_outcomes(skipped=1)
+    assert "SKIPPED [1] conftest.py" in res.stdout.str() and "n/a: vLLM is not installed (pip install .[vllm]" in res.stdout.str()
+
+
+def test_describe_does_not_import_vllm():
+    before = "vllm" in sys.modules
+    d = ve.VLLMImplementation().describe()
+    assert {"impl", "engine", "attention_backend", "VLLM_BATCH_INVARIANT", "dtype", "device"} <= set(d)
+    assert d["attention_backend"] == "FLASH_ATTN" and d["dtype"] == "bfloat16"
+    assert ("vllm" in sys.modules) == before
+
+
+def test_builtin_name_and_factories():
+    from fixtures.impl import load_implementation
+    assert isinstance(load_implementation("vllm"), ve.VLLMImplementation)
+    assert ve.triton_attn().defaults.attention_backend == "TRITON_ATTN"
+    assert ve.native_defaults().defaults.cuda_graphs and ve.native_defaults().defaults.compilation
+
+
+def test_engines_are_reused_per_configuration(model_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
+    impl = ve.VLLMImplementation(fake="echo", max_idle=1)
+    try:
+        with impl.make_engine(model_dir) as e1:
+            pid1 = e1.engine.proc.pid
+            e1.generate(_reqs()[:1])
+            with impl.make_engine(model_dir, EngineSettings(enable_prefix_caching=True, cuda_graphs=False)) as e2:
+                assert e2.engine.proc.pid == pid1, "the same configuration must reuse the live engine"
+                # a made engine starts cold: the shared prefix of request a is not cached any more
+                assert e2.generate([Request("x", _reqs()[0].prompt_ids[:40] + (3,), SamplingParams())])[0] \
+                    .num_cached_tokens == 0
+        with impl.make_engine(model_dir, EngineSettings(max_num_seqs=3)) as e3:
+            assert e3.engine.proc.pid != pid1
+            assert e3.last_stats().steps == 0
+        assert impl.pool.starts == 2 and impl.pool.reuses == 1
+        first = impl.pool.entries[next(iter(impl.pool.entries))][0]
+        with impl.make_engine(model_dir, EngineSettings(max_num_seqs=5)):
+            pass
+        assert len(impl.pool.entries) == 1, "max_idle=1 keeps one idle engine"
+        assert first.proc.poll() is not None
+    finally:
+        impl.pool.close_all()
+    assert not impl.pool.entries
+
+
+def test_closed_lease_refuses_use(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
+    impl = ve.VLLMImplementation(fake="echo", max_idle=0)
+    lease = impl.make_engine(model_dir)
+    proc = lease.engine.proc
+    lease.close()
+    lease.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        lease.generate([])
+    assert proc.poll() is not None, "max_idle=0 closes an engine as soon as it is released"
+
+
+def test_prespawned_worker_is_used_only_for_its_environment(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
+    pool = ve.EnginePool(max_idle=0, prespawn=True)
+    try:
+        env = ve.worker_env(EngineSettings(), fake="echo")
+        pool.refill(env)
+        spare_pid = pool.spare.proc.pid
+        assert pool.take_spare(ve.worker_env(EngineSettings(batch_invariant=False), fake="echo")) is None
+        assert pool.spare is not None, "a spare for another environment stays for a later start"
+        with ve.VLLMEngine(model_dir, fake="echo", spawned=pool.take_spare(env)) as eng:
+            assert eng.proc.pid == spare_pid and pool.spare is None and pool.spares_used == 1
+            assert eng.generate(_reqs()[:1])[0].request_id == "a"
+            assert "# settings:" in eng.log_path.read_text()
+        pool.refill(env)
+        stale = pool.spare
+        with ve.VLLMEngine(model_dir, EngineSettings(batch_invariant=False), fake="echo", spawned=stale) as eng:
+            assert eng.proc.pid != stale.proc.pid and eng.info["env"]["VLLM_BATCH_INVARIANT"] == "0"
+        assert stale.proc.poll() is not None, "a spare handed to the wrong environment is discarded"
+    finally:
+        pool.close_all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the real engine (GPU + vLLM): the probes see each mechanism engage
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def real_impl():
+    """The real implementation (one per module: one pre-spawned worker, engines closed on release)."""
+    impl = ve.VLLMImplementation(max_idle=0)
+    why = impl.unavailable()
+    if why:
+        pytest.skip(why)
+    yield impl
+    impl.pool.close_all()
+
+
+def _small_config(kind: str) -> dict:
+    """Small models with the real head_dim (128, as FA3 wants): dense qwen3 runs on vLLM's V2 model
+    runner, qwen3_moe on the V1 runner (config/vllm.py:604-622), so both probe paths are covered."""
+    from fixtures.proxies import RECIPES
+    common = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=4096, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+    if kind == "dense":
+        return dict(RECIPES["qwen3"], intermediate_size=1024, max_window_layers=2, **common)
+    return dict(RECIPES["qwen3_moe"], intermediate_size=1024, moe_intermediate_size=256, num_experts=8,
+                num_experts_per_tok=2, mlp_only_layers=[], decoder_sparse_step=1, **common)
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def small_model(request, tmp_path_factory):
+    from fixtures.proxies import build_proxy
+    if not torch.cuda.is_available():       # nothing to build for a test that will skip
+        return None
+    src = tmp_path_factory.mktemp(f"small-{request.param}-src")
+    (src / "config.json").write_text(json.dumps(_small_config(request.param)))
+    return build_proxy(src, "full", tmp_path_factory.mktemp(f"small-{request.param}"), dtype=torch.bfloat16).path
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_real_engine_round_trip(real_impl, small_model):
+    impl = real_impl
+    with impl.make_engine(small_model) as eng:
+        reqs = [Request(f"r{i}", tuple(range(3 + i, 40 + 5 * i)), SamplingParams(max_tokens=6, temperature=float(i % 2),
+                                                                                 seed=i, n=1 + i % 2))
+                for i in range(5)]
+        out = eng.generate(reqs)
+        stats = eng.last_stats()
+        assert [c.request_id for c in out] == [r.request_id for r in reqs]
+        assert all(len(s.token_ids) == 6 and s.logprobs.dtype == torch.float32 for c in out for s in c.samples)
+        assert stats.steps > 0 and stats.max_running > 1 and stats.extra["forward_steps"] > 0
+        (pl,) = eng.prompt_logprobs([list(reqs[0].prompt_ids) + out[0].samples[0].token_ids])
+        assert pl.shape[0] == len(reqs[0].prompt_ids) + 5
+        info = eng.engine.info
+    assert info["attention_backends"] == ["FLASH_ATTN"] and info["batch_invariant"] and info["async_scheduling"]
+    assert info["cudagraph_mode"] == "NONE" and info["compilation_mode"] == "NONE"
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.parametrize("settings, evidence", [
+    (EngineSettings(max_num_batched_tokens=16), "chunked_prompts"),
+    (EngineSettings(kv_cache_blocks=8, max_num_seqs=8), "preemptions"),
+    (EngineSettings(cuda_graphs=True), "graph_steps"),
+])
+def test_real_engine_mechanisms_engage(real_impl, small_model, settings, evidence):
+    impl = real_impl
+    reqs = [Request(f"r{i}", tuple(range(5 + i, 50 + 3 * i)), SamplingParams(max_tokens=24)) for i in range(6)]
+    with impl.make_engine(small_model, settings) as eng:
+        eng.generate(reqs)
+        stats = eng.last_stats()
+    assert getattr(stats, evidence) > 0, f"{evidence} never engaged under {settings}: {stats}"
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_real_prefix_cache_hit_is_read(real_impl, small_model):
+    impl = real_impl
+    shared = tuple(range(7, 71))
+    with impl.make_engine(small_model) as eng:
+        eng.generate([Request("warm", shared + (1, 2), SamplingParams(max_tokens=2))])
+        hit = eng.generate([Request("probe", shared + (3,), SamplingParams(max_tokens=2))])[0]
+        again = eng.generate([Request("pl", shared + (3,), SamplingParams(max_tokens=2), want_prompt_logprobs=True)])[0]
+    assert hit.num_cached_tokens >= 48
+    assert again.num_cached_tokens == 0 and again.prompt_logprobs.shape[0] == len(shared)
