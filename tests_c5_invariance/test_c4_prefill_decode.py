@@ -84,7 +84,9 @@ def test_prefix_cache_hit_equals_cold_start(engine_factory, proxy):
 def test_preemption_resume_equals_uninterrupted(engine_factory, engine, proxy):
     if not engine.capabilities().preemption:
         pytest.skip("n/a (declared): no preemption")
-    batch = [_long_request(proxy.config.vocab_size, 30 + 7 * i, seed=i, max_tokens=12) for i in range(6)]
+    # 48 new tokens each: with a few requests running, block demand grows past the 12-block cache
+    # even under a scheduler that admits a request only when its whole prompt fits (vLLM).
+    batch = [_long_request(proxy.config.vocab_size, 30 + 7 * i, seed=i, max_tokens=48) for i in range(6)]
     batch = [Request(r.request_id, r.prompt_ids, r.params) for r in batch]
     uninterrupted = engine.generate(batch)
     with engine_factory(EngineSettings(kv_cache_blocks=12)) as small:

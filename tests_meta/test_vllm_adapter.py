@@ -107,6 +107,24 @@ def test_settings_map_to_kwargs_vllm_accepts(model_dir, settings, expect):
         assert kw["max_num_batched_tokens"] >= kw["max_model_len"]
 
 
+def test_compiled_custom_ops_knob_and_nested_extra(model_dir):
+    from dataclasses import replace
+    same_kernels = replace(ve.EAGER_DEFAULTS, compiled_custom_ops=("all",))
+    kw = ve.llm_kwargs(model_dir, EngineSettings(compilation=True), same_kernels)
+    assert kw["compilation_config"] == {"mode": "VLLM_COMPILE", "cudagraph_mode": "NONE", "custom_ops": ["all"]}
+    assert "custom_ops" not in ve.llm_kwargs(model_dir, EngineSettings(cuda_graphs=True), same_kernels)["compilation_config"]
+    assert ve.llm_kwargs(model_dir, EngineSettings(), same_kernels) == ve.llm_kwargs(model_dir, EngineSettings())
+    kw = ve.llm_kwargs(model_dir, EngineSettings(cuda_graphs=True, extra={"llm_kwargs": {
+        "compilation_config": {"cudagraph_capture_sizes": [1, 2]}}}))
+    assert kw["compilation_config"] == {"mode": "NONE", "cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2]}
+
+
+def test_compiled_custom_ops_from_env(monkeypatch):
+    monkeypatch.setenv("CONFORMANCE_VLLM_COMPILED_CUSTOM_OPS", "all")
+    impl = ve.VLLMImplementation()
+    assert impl.defaults.compiled_custom_ops == ("all",) and "custom_ops=['all']" in impl.describe()["engine_defaults"]
+
+
 def test_same_configuration_same_key(model_dir):
     explicit = EngineSettings(enable_prefix_caching=True, enable_chunked_prefill=True, cuda_graphs=False,
                               compilation=False, async_scheduling=True, max_num_seqs=256, attention_backend="FLASH_ATTN")
@@ -455,8 +473,10 @@ def test_prespawned_worker_is_used_only_for_its_environment(model_dir, tmp_path,
     monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
     pool = ve.EnginePool(max_idle=0, prespawn=True)
     try:
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", "some other test (setup)")
+        pool.refill(ve.worker_env(EngineSettings(), fake="echo"))
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", "this test (call)")
         env = ve.worker_env(EngineSettings(), fake="echo")
-        pool.refill(env)
         spare_pid = pool.spare.proc.pid
         assert pool.take_spare(ve.worker_env(EngineSettings(batch_invariant=False), fake="echo")) is None
         assert pool.spare is not None, "a spare for another environment stays for a later start"

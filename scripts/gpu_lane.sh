@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# The vLLM GPU lane: run ON THE H200 in one device call (at most 10 minutes), from the repository
+# root, after the offline vLLM 0.26.0 bundle is installed:
+#
+#   bash gpu_bundles/install.sh /tmp/site          # once per machine (~1 min)
+#   bash scripts/gpu_lane.sh [STAGE ...]            # default: c3c4-qwen3 c5-qwen3
+#
+# Stages: each a separate pytest run with its own report under $OUT. Every distinct EngineSettings
+# is a new engine subprocess (equal ones are reused); an eager engine of a shallow proxy starts in
+# ~15 s (about half of it Python + vLLM imports, overlapped by a pre-spawned worker). Times
+# measured on one H200 on 2026-11-30 without the pre-spawned worker:
+#   smoke          tests_meta/test_vllm_adapter.py: mappings, worker protocol (fake backend), and the
+#                  real engine on small dense (V2 model runner) and MoE (V1 runner) models: chunking,
+#                  preemption, graphs, prefix-cache hits are seen to engage. 10 engines; 385 s
+#   c3c4-qwen3     gates C3 + C4, qwen3 shallow (real widths, 2 layers), with their controls. ~220 s
+#   c5-qwen3       gate C5, qwen3 shallow (11 engine configurations, one compiled). ~300 s
+#   engines-qwen3  C3-C5 in one run. 522 s for 25 of its 26 checks: does not fit with anything else
+#   c3c4-moe, c5-moe, engines-moe   the same for qwen3_moe shallow (vLLM's V1 model runner)
+#   upto-qwen3     the verdict run: --upto C5 (C0..C2 on the trainer first), qwen3 shallow, -x
+#   upto-moe       the same for qwen3_moe shallow
+#   controls       only the negative controls (VLLM_BATCH_INVARIANT=0 engines must differ)
+#   full-qwen3     full depth (36 layers; the 16 GB bf16 proxy is built on the CPU first, estimated
+#                  1-2 min): needle, decode=prefill and same-batch checks plus their controls
+#
+# Knobs (environment): OUT (reports; the device call's $OUT), SITE (/tmp/site), LANE_BUDGET_S
+# (seconds for all stages together, default 560: the rest of a 600 s call is for start-up and
+# copying $OUT back), PER_TEST_TIMEOUT (300, needs pytest-timeout), PYTEST_X (-x; set to "" to go
+# on after a failure), HYPOTHESIS_PROFILE (ci), CONFORMANCE_VLLM_IDLE_ENGINES (idle engine
+# subprocesses kept for reuse: 4 shallow, 1 full), CONFORMANCE_VLLM_ATTENTION_BACKEND
+# (FLASH_ATTN; TRITON_ATTN for the other backend), CONFORMANCE_VLLM_COMPILED_CUSTOM_OPS (unset: vLLM's
+# choice, which swaps its custom ops for torch-native ones when compiling; "all" keeps them).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+OUT=${OUT:-$PWD/out/gpu-lane}
+SITE=${SITE:-/tmp/site}
+BUDGET=${LANE_BUDGET_S:-560}
+PER_TEST=${PER_TEST_TIMEOUT:-300}
+X=${PYTEST_X--x}
+mkdir -p "$OUT"
+
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# What vLLM reads at import time. The adapter sets these again in every engine subprocess, and
+# VLLM_BATCH_INVARIANT there follows EngineSettings.batch_invariant (0 for the controls); exported
+# here so the report header shows them.
+export VLLM_BATCH_INVARIANT=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
+export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
+export CONFORMANCE_VLLM_LOG_DIR=${CONFORMANCE_VLLM_LOG_DIR:-$OUT/vllm-logs}
+export CONFORMANCE_VLLM_ATTENTION_BACKEND=${CONFORMANCE_VLLM_ATTENTION_BACKEND:-FLASH_ATTN}
+
+START=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+
+{
+  echo "== gpu lane $(date -u +%FT%TZ) stages: ${*:-c3c4-qwen3 c5-qwen3}"
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | head -4
+  python - <<'EOF'
+import importlib.util, sys
+import torch
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.cuda.is_available())
+for name in ("vllm", "transformers", "pytest", "xdist", "hypothesis", "pytest_timeout"):
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        print(f"{name}: MISSING")
+        continue
+    try:
+        from importlib.metadata import version
+        print(f"{name}: {version(name.replace('_', '-') if name != 'xdist' else 'pytest-xdist')}")
+    except Exception:
+        print(f"{name}: present")
+EOF
+} 2>&1 | tee "$OUT/lane-env.txt"
+
+if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
+  echo "vLLM is not importable with PYTHONPATH=$PYTHONPATH: run 'bash gpu_bundles/install.sh $SITE' first" | tee -a "$OUT/lane-env.txt"
+  exit 2
+fi
+TIMEOUT_OPT=()
+if python -c "import pytest_timeout" 2>/dev/null; then
+  TIMEOUT_OPT=(--timeout="$PER_TEST")
+else
+  echo "pytest-timeout is not installed: no per-test timeout (the adapter's own timeouts still apply)" | tee -a "$OUT/lane-env.txt"
+fi
+
+status=0
+run_stage() {   # name, then pytest arguments
+  local name=$1; shift
+  local budget; budget=$(left)
+  if (( budget < 60 )); then
+    echo "== $name: skipped, only ${budget}s of the lane budget left" | tee -a "$OUT/lane-summary.txt"
+    return
+  fi
+  echo "== $name ($(date -u +%T), ${budget}s left, idle engines kept: $CONFORMANCE_VLLM_IDLE_ENGINES): pytest $*" \
+    | tee -a "$OUT/lane-summary.txt"
+  local t0; t0=$(date +%s)
+  timeout --signal=TERM --kill-after=20 "$budget" \
+    python -m pytest -p no:cacheprovider "${TIMEOUT_OPT[@]}" -ra --basetemp="/tmp/lane-$name" "$@" \
+    > "$OUT/$name.log" 2>&1
+  local rc=$?
+  (( rc != 0 )) && status=$rc
+  echo "== $name: exit $rc after $(( $(date +%s) - t0 ))s" | tee -a "$OUT/lane-summary.txt"
+  grep -E "^(C[0-9]+ |gate  )|passed|failed|error" "$OUT/$name.log" | tail -25 | tee -a "$OUT/lane-summary.txt"
+  rm -rf "/tmp/lane-$name"          # proxies are big; the disk is 64 GiB
+}
+
+ENGINE_GATES=(-m "C3 or C4 or C5")
+IDLE_SHALLOW=${CONFORMANCE_VLLM_IDLE_ENGINES:-4}
+IDLE_FULL=${CONFORMANCE_VLLM_IDLE_ENGINES:-1}
+export CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_SHALLOW
+model_of() { case $1 in *-moe) echo qwen3_moe ;; *) echo qwen3 ;; esac; }
+for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
+  model=$(model_of "$stage")
+  case $stage in
+    smoke)
+      run_stage smoke tests_meta/test_vllm_adapter.py --impl vllm --durations=15 ;;
+    c3c4-qwen3|c3c4-moe)
+      run_stage "$stage" --impl vllm --proxy shallow --model="$model" -m "C3 or C4" --durations=15 \
+        --report="$OUT/report-$stage" ;;
+    c5-qwen3|c5-moe)
+      run_stage "$stage" --impl vllm --proxy shallow --model="$model" -m C5 --durations=15 --report="$OUT/report-$stage" ;;
+    engines-qwen3|engines-moe)
+      run_stage "$stage" --impl vllm --proxy shallow --model="$model" "${ENGINE_GATES[@]}" --durations=15 \
+        --report="$OUT/report-$stage" ;;
+    upto-qwen3|upto-moe)
+      run_stage "$stage" --impl vllm --proxy shallow --model="$model" --upto C5 --durations=15 \
+        --report="$OUT/report-$stage" $X ;;
+    controls)
+      run_stage controls --impl vllm --proxy shallow --model=qwen3 "${ENGINE_GATES[@]}" -k "control" \
+        --report="$OUT/report-controls-qwen3" ;;
+    full-qwen3)
+      CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_FULL run_stage full-qwen3 \
+        --impl vllm --proxy full --model=qwen3 -m "C3 or C4" --durations=15 \
+        -k "needle or same_batch_twice or decode_equals_prefill or control_stock" --report="$OUT/report-qwen3-full" ;;
+    *)
+      echo "unknown stage $stage (smoke c3c4-qwen3 c5-qwen3 engines-qwen3 c3c4-moe c5-moe engines-moe" \
+           "upto-qwen3 upto-moe controls full-qwen3)" >&2
+      exit 2 ;;
+  esac
+done
+echo "== lane done in $(( $(date +%s) - START ))s, exit $status; reports and worker logs under $OUT" | tee -a "$OUT/lane-summary.txt"
+exit $status
