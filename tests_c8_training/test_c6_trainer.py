@@ -26,11 +26,13 @@ def _layouts(trainer) -> list[Layout]:
     return list(getattr(trainer, "layouts", tuple(Layout)))
 
 
-def _localiser(trainer, batch, layout):
+def _localiser(trainer, batch, layout, repro_dir=None, kernel_fault=None):
     """On a mismatch: the first op where the first differing sequence alone and inside the batch
-    part ways (the trainer is traceable: its module() runs the forward)."""
+    part ways (the trainer is traceable: its module() runs the forward), plus a minimal repro of
+    that op (its inputs from both runs and a replay script) under `repro_dir`."""
     from fixtures.comparison import compare
     from fixtures.localise import Rows, localise
+    from fixtures.repro import capture_first_call, write_repro
 
     def run() -> str:
         alone = _alone(trainer, batch, layout)
@@ -43,7 +45,26 @@ def _localiser(trainer, batch, layout):
         loc = localise(lambda: trainer.logprobs([batch[i]], layout=layout),
                        lambda: trainer.logprobs(batch, layout=layout), trainer.module(),
                        Rows.row(0, n), rows_b, names=("alone", f"in the batch at {i}"))
-        return loc.describe() if loc is not None else "no op-level divergence found in the trainer's module"
+        if loc is None:
+            return "no op-level divergence found in the trainer's module"
+        text = loc.describe()
+        if repro_dir is not None:
+            try:
+                run_a = lambda: trainer.logprobs([batch[i]], layout=layout)
+                run_b = lambda: trainer.logprobs(batch, layout=layout)
+                side_a = capture_first_call(run_a, trainer.module(), loc.module, loc.op)
+                side_b = capture_first_call(run_b, trainer.module(), loc.module, loc.op)
+                width = max(len(s) for s in batch)
+                first_b = start if layout is Layout.PACKED else i * width
+                script = write_repro(repro_dir, module=loc.module, op=loc.op, side_a=side_a, side_b=side_b,
+                                     rows_a=range(n), rows_b=range(first_b, first_b + n),
+                                     names=("alone", f"in the batch at {i}"),
+                                     kernel_mode=getattr(trainer, "kernel_mode", None) is not None,
+                                     kernel_fault=kernel_fault)
+                text += f"\nminimal repro: python {script}"
+            except Exception as exc:   # the repro is a convenience; never hide the real failure
+                text += f"\n(no minimal repro: {type(exc).__name__}: {exc})"
+        return text
     return run
 
 
@@ -74,7 +95,7 @@ def test_micro_batch_size(trainer, proxy, data):
 
 @engine_settings(divisor=4, floor=2)
 @given(data=st.data())
-def test_position_and_composition(trainer, proxy, data):
+def test_position_and_composition(trainer, proxy, data, artifact_dir, pytestconfig, model_name):
     """Each sequence alone equals itself at any position among any companions."""
     seqs = data.draw(sequences(proxy.config.vocab_size))
     perm = data.draw(st.permutations(range(len(seqs))), label="order")
@@ -83,7 +104,18 @@ def test_position_and_composition(trainer, proxy, data):
     alone = _alone(trainer, [seqs[i] for i in perm], layout)
     ordered = [seqs[i] for i in perm]
     assert_bitwise(together, alone, what="trainer logprobs", lhs_name=f"in a shuffled batch of {len(seqs)}",
-                   rhs_name="alone", layout=layout.value, localise=_localiser(trainer, ordered, layout))
+                   rhs_name="alone", layout=layout.value,
+                   localise=_localiser(trainer, ordered, layout, artifact_dir / f"repro-c6-{model_name}",
+                                       _kernel_fault(pytestconfig)))
+
+
+def _kernel_fault(config) -> str | None:
+    """The planted kernel fault of this run, if any (a replay needs it to reproduce)."""
+    name = config.getoption("--plant-fault", None)
+    if not name:
+        return None
+    from fixtures.faults import get
+    return name if get(name).kind == "kernel" else None
 
 
 def test_run_to_run(trainer, proxy):

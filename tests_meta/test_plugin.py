@@ -196,3 +196,20 @@ def test_slow():
     assert doc["run"]["status"] == "finished"
     assert "interrupted" in doc["run"]["interrupted"]
     assert "The run did not finish" in (pt.path / "rep" / "report.md").read_text()
+
+
+def test_a_bitwise_failure_leaves_its_difference_in_the_report(suite):
+    pt = suite(fail=False, extra={"tests_c8_training/test_d.py": """
+import pytest, torch
+from fixtures.comparison import assert_bitwise
+@pytest.mark.C6
+def test_diff():
+    a = torch.tensor([[-1.0, -2.0, -3.0]])
+    b = a.clone(); b[0, 1] = -2.5
+    assert_bitwise(a, b, what="logprobs", lhs_name="alone", rhs_name="batch")
+"""})
+    run(pt, "--report=rep")
+    files = list((pt.path / "rep" / "artifacts" / "differences").glob("*.json"))
+    assert len(files) == 1
+    doc = json.loads(files[0].read_text())
+    assert doc["first"] == [0, 1] and doc["count"] == 1 and doc["first_sequence_absdiff"] == [0.0, 0.5, 0.0]
