@@ -43,9 +43,29 @@ def proxy(model_name, pytestconfig, tmp_path_factory, impl):
     session. Engines and trainers load it from `path`."""
     from fixtures.proxies import build_proxy
     from fixtures.plugin import model_id
+    _check_proxy_fits(model_name, pytestconfig.getoption("--proxy"), impl)
     out = tmp_path_factory.mktemp(f"proxy-{model_id(model_name)}")
     return build_proxy(model_name, pytestconfig.getoption("--proxy"), out,
                        seed=pytestconfig.getoption("--proxy-seed"), dtype=impl.dtype())
+
+
+def _check_proxy_fits(model_name, size, impl) -> None:
+    """A proxy the machine cannot hold is "not run" with the numbers, not an out-of-memory kill."""
+    import os
+    import torch
+    from fixtures.proxies import proxy_config, source_config, tensor_specs
+    if size == "tiny":
+        return
+    _, params = tensor_specs(proxy_config(source_config(model_name), size))
+    need = params * torch.finfo(impl.dtype()).bits // 8
+    if str(impl.device()).startswith("cuda") and torch.cuda.is_available():
+        have, where = torch.cuda.mem_get_info()[0], "free GPU memory"
+    else:
+        have, where = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "available memory"
+    if 2 * need > have:   # the engine and the trainer each hold a copy
+        pytest.skip(f"the {size} proxy of {model_name} has {params / 1e9:.2f}B parameters: "
+                    f"{2 * need / 2**30:.1f} GiB for engine + trainer in {impl.dtype()}, "
+                    f"{have / 2**30:.1f} GiB {where} (use --proxy tiny on the CPU lane)")
 
 
 @pytest.fixture(scope="session")
