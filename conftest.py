@@ -102,3 +102,16 @@ def engine(engine_factory):
     the evidence that a declared mechanism (prefix cache, chunking, preemption) engaged."""
     with engine_factory() as e:
         yield e
+
+
+@pytest.fixture(scope="session")
+def inventory(trainer, proxy, model_name, impl, artifact_dir):
+    """The C0 inventory of the trainer's module (prefill, decode, padded training forward,
+    backward), traced once per model inside the implementation's kernel mode so it also records
+    which kernel served each op; written into the report. Gates C0 and C8 read it."""
+    from fixtures.inventory import take_inventory
+    from fixtures.plugin import model_id
+    inv = take_inventory(trainer.module(), model_id(model_name), vocab_size=proxy.config.vocab_size,
+                         table=impl.kernel_table(), kernel_mode=getattr(impl, "kernel_mode", None))
+    inv.write(artifact_dir, f"inventory-{model_id(model_name)}")
+    return inv

@@ -4,22 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.inventory import PHASES, kernel_table_problems, take_inventory
-from fixtures.plugin import model_id
+from fixtures.inventory import PHASES, kernel_table_problems
 
 pytestmark = pytest.mark.C0
-
-
-@pytest.fixture(scope="session")
-def inventory(trainer, proxy, model_name, impl, artifact_dir):
-    """The traced inventory of the trainer's module for this model, written into the report.
-
-    Traced inside the implementation's kernel mode (`impl.kernel_mode()`, where it has one), so the
-    inventory also records which kernel really served each op."""
-    inv = take_inventory(trainer.module(), model_id(model_name), vocab_size=proxy.config.vocab_size,
-                         table=impl.kernel_table(), kernel_mode=getattr(impl, "kernel_mode", None))
-    inv.write(artifact_dir, f"inventory-{model_id(model_name)}")
-    return inv
 
 
 def test_every_phase_traced(inventory):

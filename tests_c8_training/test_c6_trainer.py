@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from fixtures.comparison import BitwiseMismatch, assert_bitwise
-from fixtures.contract import Layout
+from fixtures.contract import Layout, supported_layouts
 from fixtures.workloads import engine_settings
 
 pytestmark = pytest.mark.C6
@@ -23,7 +23,7 @@ def sequences(draw, vocab: int, n=(2, 9), lengths=(2, 40)):
 
 
 def _layouts(trainer) -> list[Layout]:
-    return list(getattr(trainer, "layouts", tuple(Layout)))
+    return list(supported_layouts(trainer))
 
 
 def _localiser(trainer, batch, layout, repro_dir=None, kernel_fault=None):

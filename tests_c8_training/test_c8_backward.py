@@ -16,9 +16,7 @@ from hypothesis import example, given, note, settings
 
 from fixtures import grad_checks as G
 from fixtures.grad_checks import GradShape
-from fixtures.inventory import take_inventory
 from fixtures.invariant_mode import batch_invariant_mode
-from fixtures.plugin import model_id
 
 pytestmark = pytest.mark.C8
 
@@ -42,13 +40,6 @@ def kernel_mode(impl):
     """Zero-argument factory of the implementation's kernel mode (every forward and backward of
     these checks runs under it); fixtures.invariant_mode.batch_invariant_mode where it has none."""
     return getattr(impl, "kernel_mode", None) or batch_invariant_mode
-
-
-@pytest.fixture(scope="session")
-def train_inventory(trainer, proxy, model_name, impl):
-    """The C0 inventory of the trainer's module, traced under the kernel mode (as gate C0 does)."""
-    return take_inventory(trainer.module(), model_id(model_name), vocab_size=proxy.config.vocab_size,
-                          table=impl.kernel_table(), kernel_mode=getattr(impl, "kernel_mode", None))
 
 
 @pytest.fixture(scope="session")
@@ -85,24 +76,24 @@ def trainer_grads(trainer, train_sequences, trainer_loss, kernel_mode):
 # ---------------------------------------------------------------------------------------------
 # every op has a backward
 # ---------------------------------------------------------------------------------------------
-def test_every_op_has_backward(train_inventory, train_calls, kernel_mode, record_metric):
+def test_every_op_has_backward(inventory, train_calls, kernel_mode, record_metric):
     """Each op reached in train-forward, replayed through autograd with the inputs that required
     grad in training, differentiates (no missing formula, no autograd-fallback node)."""
-    missing = G.ops_without_backward(train_inventory, train_calls, kernel_mode=kernel_mode)
-    unlisted = G.unlisted_ops(train_inventory, train_calls)
+    missing = G.ops_without_backward(inventory, train_calls, kernel_mode=kernel_mode)
+    unlisted = G.unlisted_ops(inventory, train_calls)
     record_metric("C8 ops replayed through autograd", len(train_calls))
     record_metric("C8 training ops outside the inventory", len(unlisted))
     assert not missing, (
-        f"{len(missing)} op(s) reached in the training forward of {train_inventory.model} have no backward "
+        f"{len(missing)} op(s) reached in the training forward of {inventory.model} have no backward "
         "(their gradient formula is missing; register one, e.g. torch.library.register_autograd):\n  "
         + "\n  ".join(f"{op}: {why}" for op, why in missing.items()))
 
 
-def test_every_reached_kernel_has_grad_check(train_inventory):
+def test_every_reached_kernel_has_grad_check(inventory):
     """Every KERNEL-policy kernel the model reaches is exercised by a gradient-bound case."""
-    uncovered = G.uncovered_kernels(train_inventory)
+    uncovered = G.uncovered_kernels(inventory)
     assert not uncovered, (
-        f"kernels reached by {train_inventory.model} with no C8 gradient case (add one to "
+        f"kernels reached by {inventory.model} with no C8 gradient case (add one to "
         f"fixtures.grad_checks.GRAD_CASES): {uncovered}")
 
 
