@@ -16,7 +16,14 @@
 #   c5-qwen3       gate C5, qwen3 shallow (11 engine configurations, one compiled). ~300 s
 #   engines-qwen3  C3-C5 in one run. 522 s for 25 of its 26 checks: does not fit with anything else
 #   c3c4-moe, c5-moe, engines-moe   the same for qwen3_moe shallow (vLLM's V1 model runner)
+#   kernels-qwen3  C0 + C2 for vLLM's own kernels, qwen3 shallow (real widths): the engine's kernel
+#                  inventory under the profiler, then each mapped kernel called directly at
+#                  hypothesis-drawn token counts, VLLM_BATCH_INVARIANT=1, plus its =0 controls
+#   kernels-moe    the same for qwen3_moe shallow (adds fused MoE and the router)
+#   hybrid         C3 on nemotron_h shallow: vLLM refuses batch invariance for Mamba layers (red,
+#                  with vLLM's reason); the stock-engine control shows what users get instead
 #   upto-qwen3     the verdict run: --upto C5 (C0..C2 on the trainer first), qwen3 shallow, -x
+#                  (LANE_XDIST=N runs it on N pytest-xdist workers sharing the GPU)
 #   upto-moe       the same for qwen3_moe shallow
 #   controls       only the negative controls (VLLM_BATCH_INVARIANT=0 engines must differ)
 #   full-qwen3     full depth (36 layers; the 16 GB bf16 proxy is built on the CPU first, estimated
@@ -109,6 +116,8 @@ IDLE_SHALLOW=${CONFORMANCE_VLLM_IDLE_ENGINES:-4}
 IDLE_FULL=${CONFORMANCE_VLLM_IDLE_ENGINES:-1}
 export CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_SHALLOW
 model_of() { case $1 in *-moe) echo qwen3_moe ;; *) echo qwen3 ;; esac; }
+XDIST=()
+[[ -n "${LANE_XDIST:-}" ]] && XDIST=(-n "$LANE_XDIST")
 for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
   model=$(model_of "$stage")
   case $stage in
@@ -124,7 +133,14 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
         --report="$OUT/report-$stage" ;;
     upto-qwen3|upto-moe)
       run_stage "$stage" --impl vllm --proxy shallow --model="$model" --upto C5 --durations=15 \
-        --report="$OUT/report-$stage" $X ;;
+        --report="$OUT/report-$stage" $X "${XDIST[@]}" ;;
+    kernels-qwen3|kernels-moe)
+      run_stage "$stage" --impl vllm --proxy shallow --model="$model" --durations=10 \
+        tests_c0_inventory/test_c0_engine_kernels.py tests_c5_invariance/test_c2_vllm_kernels.py \
+        --report="$OUT/report-$stage" ;;
+    hybrid)
+      run_stage hybrid --impl vllm --proxy shallow --model=nemotron_h -m C3 --durations=10 \
+        --report="$OUT/report-hybrid" ;;
     controls)
       run_stage controls --impl vllm --proxy shallow --model=qwen3 "${ENGINE_GATES[@]}" -k "control" \
         --report="$OUT/report-controls-qwen3" ;;
@@ -133,8 +149,8 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
         --impl vllm --proxy full --model=qwen3 -m "C3 or C4" --durations=15 \
         -k "needle or same_batch_twice or decode_equals_prefill or control_stock" --report="$OUT/report-qwen3-full" ;;
     *)
-      echo "unknown stage $stage (smoke c3c4-qwen3 c5-qwen3 engines-qwen3 c3c4-moe c5-moe engines-moe" \
-           "upto-qwen3 upto-moe controls full-qwen3)" >&2
+      echo "unknown stage $stage (smoke kernels-qwen3 kernels-moe c3c4-qwen3 c5-qwen3 engines-qwen3 c3c4-moe" \
+           "c5-moe engines-moe upto-qwen3 upto-moe hybrid controls full-qwen3)" >&2
       exit 2 ;;
   esac
 done

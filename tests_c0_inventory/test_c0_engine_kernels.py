@@ -1,0 +1,93 @@
+"""Gate C0 for the engine's own kernels (engines that expose `kernel_inventory`, i.e. vLLM): every
+CUDA kernel the engine launches for a prefill + decode + sampling workload is listed with the op,
+module class and phase that launched it, and mapped by fixtures.vllm_kernels.RULES to a policy;
+zero unmapped kernels, and every reduction kernel names a C2 case that tests_c5_invariance/
+test_c2_vllm_kernels.py runs on that kernel. Artifact: engine-kernels-<model>.json / .md.
+
+Engines without the method (the reference engine runs the trainer's kernels, inventoried by
+test_c0_inventory.py) skip with "n/a".
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from fixtures import vllm_kernels as VK
+from fixtures.contract import EngineSettings, Request, SamplingParams
+
+pytestmark = pytest.mark.C0
+
+
+def inventory_workload(vocab: int) -> list[Request]:
+    """A prompt longer than 256 tokens (kernels switch there), short ones, greedy and seeded
+    sampling, and one prompt-logprob request: prefill, decode and both logprob paths."""
+    import torch
+    g = torch.Generator().manual_seed(1234)
+
+    def ids(n):
+        return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
+    return [Request("long", ids(300), SamplingParams(max_tokens=6, temperature=0.0)),
+            Request("short-sampled", ids(9), SamplingParams(max_tokens=6, temperature=1.0, seed=7)),
+            Request("short-greedy", ids(23), SamplingParams(max_tokens=6, temperature=0.0)),
+            Request("prompt-logprobs", ids(40), SamplingParams(max_tokens=2, temperature=0.0), want_prompt_logprobs=True)]
+
+
+@pytest.fixture(scope="module")
+def engine_kernels(engine_factory, proxy, model_name, artifact_dir):
+    from fixtures.plugin import model_id
+    with engine_factory(EngineSettings(cuda_graphs=False, compilation=False)) as engine:
+        take = getattr(engine, "kernel_inventory", None)
+        if take is None:
+            pytest.skip("n/a: the engine exposes no kernel_inventory (its kernels are the trainer's, "
+                        "inventoried by test_c0_inventory.py)")
+        inv = take(inventory_workload(proxy.config.vocab_size), model=model_id(model_name))
+    name = f"engine-kernels-{model_id(model_name)}"
+    (artifact_dir / f"{name}.json").write_text(json.dumps(inv.as_dict(), indent=1, sort_keys=True))
+    (artifact_dir / f"{name}.md").write_text(inv.markdown())
+    return inv
+
+
+def test_engine_kernels_traced(engine_kernels):
+    """An inventory that saw no prefill or no decode step would map nothing it never ran."""
+    assert engine_kernels.launches > 0, f"no kernel launch recorded: {engine_kernels.info}"
+    phases = engine_kernels.phases_seen()
+    assert {"prefill", "decode"} <= phases, (f"phases with kernels: {sorted(phases)}; expected prefill and decode "
+                                             f"(steps {engine_kernels.info.get('steps')})")
+    classes = {c for e in engine_kernels.entries.values() for c in e.module_classes}
+    assert classes, "no kernel was attributed to a module: the module ranges did not reach the trace"
+
+
+def test_no_unmapped_engine_kernel(engine_kernels):
+    unmapped = engine_kernels.unmapped
+    assert not unmapped, (
+        f"{len(unmapped)} kernel(s) launched by the engine for {engine_kernels.model} have no policy in "
+        "fixtures.vllm_kernels.RULES (map each to a C2 case if it reduces, else elementwise / data movement):\n"
+        + "\n".join(f"  {e.kernel}\n      ops {sorted(e.ops) or ['(bare launch)']}, module {e.first_module or '(outside)'} "
+                    f"({', '.join(sorted(e.module_classes)) or '-'}), phases {sorted(e.phases)}, {e.count} launches"
+                    for e in unmapped[:25]))
+
+
+def test_every_reduction_kernel_has_a_c2_case(engine_kernels, proxy):
+    """Claims checked both ways: each KERNEL-policy kernel the engine ran names a C2 case that
+    exists and runs for this model; the cases the model reached are listed in the artifact."""
+    cases = engine_kernels.kernel_cases()
+    assert cases, "no reduction kernel found in the engine's launches: a GEMM at least must be there"
+    unknown = {c: k for c, k in cases.items() if c not in VK.CASES}
+    assert not unknown, f"kernel table names C2 cases that do not exist: {unknown}"
+    dims = VK.dims_from_config(json.loads((proxy.path / "config.json").read_text()))
+    inapplicable = {c: k for c, k in cases.items() if c not in VK.cases_for(dims)}
+    assert not inapplicable, f"kernels mapped to C2 cases that do not run for this model: {inapplicable}"
+
+
+def test_engine_attention_is_the_declared_backend(engine_kernels):
+    """The attention kernels the engine launched are the backend it reported (FA3 for
+    FLASH_ATTN): C2 checks that kernel, so a silent fallback must not pass unnoticed."""
+    backends = engine_kernels.info.get("attention_backends") or []
+    attn = [k for k, e in engine_kernels.entries.items() if e.rule is not None and e.rule.case == "attention"]
+    assert attn, f"no attention kernel among the launches (backends reported: {backends})"
+    if any("FLASH_ATTN" in b for b in backends):
+        assert any(e for k, e in engine_kernels.entries.items() if k in attn and re.search(r"flash|Flash|fmha", k)), (
+            f"backend {backends} reported, but the attention kernels launched were: {attn}")
+

@@ -1,0 +1,147 @@
+"""Gate C2 on vLLM's own kernels, called directly on the GPU the way the model calls them
+(fixtures.vllm_kernels): for each kernel the C0 engine inventory maps, row r of a call over M
+tokens equals the same row computed alone, at hypothesis-drawn M across the thresholds (always
+including 1, 7, 16, 44, 64, 255, 256, 257 and 1024 tokens), and a second call gives the same bits;
+attention: a sequence alone vs inside a ragged batch, a decode query vs its prefill row, a prefill
+split at any point vs unsplit - all over vLLM's paged KV cache with the backend's num_splits.
+
+Widths are the model's (the proxy config's, i.e. the real model's on the GPU lane): narrow GEMMs
+miss the variant algorithms the real model hits.
+
+Negative controls: the same checks in a VLLM_BATCH_INVARIANT=0 worker must see the stock GEMM
+vary (or say "inconclusive"), and a planted kernel whose arithmetic changes at 64 rows must be
+caught by the row check. Runs only with `--impl vllm` on CUDA; skips with the reason elsewhere.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings, strategies as st
+
+from fixtures import strategies as S
+from fixtures import vllm_kernels as VK
+from fixtures.comparison import BitwiseMismatch, assert_bitwise
+
+pytestmark = [pytest.mark.C2, pytest.mark.gpu, pytest.mark.vllm]
+
+THRESHOLD_SIZES = [1, 7, 16, 44, 64, 255, 256, 257, 1024]
+_LIVE = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                       HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def dims(impl, proxy):
+    if not impl.name.startswith("vllm"):
+        pytest.skip(f"n/a: vLLM's own kernels are checked with --impl vllm (this run: {impl.name})")
+    return VK.dims_from_config(json.loads((proxy.path / "config.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def workers(dims, artifact_dir):
+    """VLLM_BATCH_INVARIANT=1 and =0 kernel workers for this model's widths, started on demand."""
+    live: dict[bool, VK.KernelWorker] = {}
+
+    def get(batch_invariant: bool = True) -> VK.KernelWorker:
+        if batch_invariant not in live:
+            live[batch_invariant] = VK.KernelWorker(batch_invariant=batch_invariant, dims=dims)
+        return live[batch_invariant]
+    yield get
+    for w in live.values():
+        w.close()
+
+
+def check_rows(worker: VK.KernelWorker, case: str, sizes, *, seed: int = 0) -> None:
+    """Every probe row of every size equals the row alone; every size repeats bit for bit."""
+    out = worker.run(case, sizes, probes=(0, 5, 63), seed=seed)
+    where = f"vLLM {case} ({VK.CASES[case].doc}), VLLM_BATCH_INVARIANT={int(worker.batch_invariant)}"
+    for M, rows in out["rows"].items():
+        for r, batched, alone in rows:
+            assert_bitwise(batched, alone, what=f"{where}: row {r}", lhs_name=f"row {r} of a {M}-token call",
+                           rhs_name=f"row {r} alone", tokens=M, widths=json.dumps(worker.dims))
+    for M, diff in out["rerun"].items():
+        if diff is not None:
+            r, a, b = diff
+            assert_bitwise(a, b, what=f"{where}: run to run", lhs_name=f"row {r}, first {M}-token call",
+                           rhs_name=f"row {r}, second call", tokens=M)
+
+
+def test_every_inventory_case_is_checked():
+    """The kernel table names only cases this file checks (the claim C0 relies on)."""
+    named = {r.case for r in VK.RULES if r.case}
+    assert named <= set(VK.CASES), f"table names unknown C2 cases: {sorted(named - set(VK.CASES))}"
+
+
+@pytest.mark.parametrize("case", [c for c, k in VK.CASES.items() if k.rows == "tokens" and not k.planted])
+@_LIVE
+@given(sizes=st.lists(S.batch_sizes(), min_size=1, max_size=3, unique=True))
+@example(sizes=THRESHOLD_SIZES).via("thresholds")
+def test_vllm_kernel_rows(case, sizes, dims, workers):
+    if case not in VK.cases_for(dims):
+        pytest.skip(f"n/a: {case} needs an MoE model (this model has no experts)")
+    check_rows(workers(True), case, sizes)
+
+
+@_LIVE
+@given(lens=st.lists(st.integers(1, 700), min_size=2, max_size=6), needle=st.integers(0, 5))
+@example(lens=[37, 600, 20, 300, 5], needle=0).via("needle among long and short")
+def test_vllm_attention_batch(lens, needle, workers):
+    """A sequence's attention output alone == inside a ragged batch (paged KV cache)."""
+    needle %= len(lens)
+    out = workers(True).attention("batch", lens=lens, needle=needle)
+    assert_bitwise(out["lhs"], out["rhs"], what=f"vLLM attention (FA{out['fa_version']}, num_splits={out['num_splits']})",
+                   lhs_name=f"sequence {needle} in a batch of lengths {lens}", rhs_name="alone")
+
+
+@_LIVE
+@given(length=st.integers(1, 1500))
+@example(length=257).via("past 256")
+@example(length=1025).via("long")
+def test_vllm_attention_decode(length, workers):
+    """The query of the last position decoded over the cached prefix == that row of the prefill."""
+    out = workers(True).attention("decode", lens=[length], needle=0)
+    assert_bitwise(out["lhs"], out["rhs"], what=f"vLLM attention (FA{out['fa_version']}, num_splits={out['num_splits']})",
+                   lhs_name=f"decode at position {length - 1}", rhs_name="the prefill row")
+
+
+@_LIVE
+@given(length=st.integers(2, 1500), data=st.data())
+@example(length=600, data=None).via("split 17")
+def test_vllm_attention_chunked(length, data, workers):
+    """A prefill split at any point (the second chunk attends to the first through the cache)
+    == the unsplit prefill."""
+    split = data.draw(st.integers(1, length - 1), label="split") if data is not None else 17
+    out = workers(True).attention("chunked", lens=[length], needle=0, split=split)
+    assert_bitwise(out["lhs"], out["rhs"], what=f"vLLM attention (FA{out['fa_version']}, num_splits={out['num_splits']})",
+                   lhs_name=f"prefill split at {split}", rhs_name="unsplit", length=length)
+
+
+# ---------------------------------------------------------------------------------------------
+# negative controls
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["linear", "lm_head", "attention"])
+def test_control_stock_vllm_kernels_vary(case, workers, record_metric):
+    """With VLLM_BATCH_INVARIANT=0 the same check must see vLLM's stock kernel vary (cuBLAS on
+    Hopper changes row bits from ~64 rows; FlashAttention splits KV when num_splits=0); where it
+    does not, the control is inconclusive (reported, never a pass)."""
+    stock = workers(False)
+    try:
+        if case == "attention":
+            out = stock.attention("batch", lens=[37, 600, 20, 300, 5, 1500, 900], needle=0)
+            assert_bitwise(out["lhs"], out["rhs"], what="stock attention", lhs_name="in a batch", rhs_name="alone")
+            out = stock.attention("decode", lens=[1500], needle=0)
+            assert_bitwise(out["lhs"], out["rhs"], what="stock attention", lhs_name="decode", rhs_name="prefill row")
+        else:
+            check_rows(stock, case, THRESHOLD_SIZES)
+    except BitwiseMismatch as exc:
+        record_metric(f"stock vLLM {case} control", str(exc).splitlines()[0][:200])
+        return
+    pytest.skip(f"inconclusive on this hardware: vLLM's stock {case} (VLLM_BATCH_INVARIANT=0) gave the same bits "
+                f"at {THRESHOLD_SIZES} tokens")
+
+
+def test_control_planted_row_split_is_caught(workers):
+    """A planted GEMM that changes its reduction order from 64 rows (what a split-K heuristic
+    does) must fail the row check in the batch-invariant worker: the check can see such a fault."""
+    with pytest.raises(BitwiseMismatch):
+        check_rows(workers(True), "planted_split_k_from_64", THRESHOLD_SIZES)

@@ -1,0 +1,154 @@
+"""fixtures.vllm_kernels without a GPU: reading a profiler trace (kernel -> launch -> innermost op,
+module and phase), the kernel table on the kernel names vLLM 0.26 launches on Hopper, the
+inventory's claims both ways, and the kernel_inventory command end to end through the worker's
+fake backend. The GPU side runs in tests_c0_inventory/test_c0_engine_kernels.py and
+tests_c5_invariance/test_c2_vllm_kernels.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fixtures import vllm_engine as ve
+from fixtures import vllm_kernels as VK
+from fixtures.kernel_table import Policy
+
+
+def _x(cat, name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid, "args": args}
+
+
+def synthetic_trace():
+    """A decode step: a module range, an op inside it launching a GEMM, a bare Triton launch,
+    and a kernel launched outside any module; plus a prefill step."""
+    return {"traceEvents": [
+        _x("user_annotation", "step:decode", 0, 100),
+        _x("user_annotation", "mod:model.layers.0.mlp|Qwen3MLP", 10, 50),
+        _x("user_annotation", "mod:model.layers.0.mlp.gate_up_proj|MergedColumnParallelLinear", 12, 20),
+        _x("cpu_op", "aten::empty", 13, 1),
+        _x("cuda_runtime", "cuLaunchKernelEx", 15, 2, correlation=1),
+        _x("cpu_op", "_C::silu_and_mul", 40, 5),
+        _x("cuda_runtime", "cudaLaunchKernel", 41, 1, correlation=2),
+        _x("cuda_runtime", "cudaLaunchKernel", 80, 1, correlation=3),
+        _x("user_annotation", "step:prefill", 200, 50),
+        _x("cpu_op", "aten::argmax", 210, 10),
+        _x("cuda_runtime", "cudaLaunchKernel", 212, 1, correlation=4),
+        _x("kernel", "matmul_kernel_persistent", 500, 9, tid=99, correlation=1),
+        _x("kernel", "void vllm::act_and_mul_kernel<c10::BFloat16, &vllm::silu_kernel>(...)", 510, 3, tid=99,
+           correlation=2),
+        _x("kernel", "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", 520, 1,
+           tid=99, correlation=3),
+        _x("kernel", "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOps<float>>>", 530, 4,
+           tid=99, correlation=4),
+    ]}
+
+
+def test_read_trace_links_kernels_to_op_module_and_phase():
+    got = {l.kernel.split("<")[0]: l for l in VK.read_trace(synthetic_trace())}
+    gemm = got["matmul_kernel_persistent"]
+    # a bare Triton launch right after an op closed: no op, but the module range and the step
+    assert (gemm.op, gemm.module, gemm.module_class, gemm.phase) == (
+        "", "model.layers.0.mlp.gate_up_proj", "MergedColumnParallelLinear", "decode")
+    act = got["void vllm::act_and_mul_kernel"]
+    assert (act.op, act.module, act.phase) == ("_C::silu_and_mul", "model.layers.0.mlp", "decode")
+    outside = got["void at::native::vectorized_elementwise_kernel"]
+    assert (outside.module, outside.phase) == ("", "decode")
+    argmax = got["void at::native::reduce_kernel"]
+    assert (argmax.op, argmax.phase) == ("aten::argmax", "prefill")
+
+
+@pytest.mark.parametrize("kernel, op, policy, case", [
+    ("matmul_kernel_persistent", "", Policy.KERNEL, "linear"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT", "aten::mm", Policy.KERNEL, "linear"),
+    ("_rms_norm_kernel", "", Policy.KERNEL, "rms_norm"),
+    ("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>(...)", "_C::fused_add_rms_norm", Policy.KERNEL,
+     "fused_add_rms_norm"),
+    ("void vllm::rotary_embedding_kernel<c10::BFloat16, true>(...)", "_C::rotary_embedding", Policy.KERNEL, "rotary"),
+    ("void vllm::act_and_mul_kernel<...>", "_C::silu_and_mul", Policy.KERNEL, "silu_and_mul"),
+    ("void flash::FlashAttnFwdSm90<...>", "_vllm_fa3_C::fwd", Policy.KERNEL, "attention"),
+    ("_topk_log_softmax_kernel", "", Policy.KERNEL, "token_logprobs"),
+    ("fused_moe_kernel", "", Policy.KERNEL, "fused_moe"),
+    ("void vllm::moe::topkGatingSoftmax<...>", "_moe_C::topk_softmax", Policy.KERNEL, "router"),
+    ("void vllm::reshape_and_cache_flash_kernel<...>", "_C_cache_ops::reshape_and_cache_flash", Policy.MOVEMENT, ""),
+    ("void at::native::reduce_kernel<...ArgMaxOps...>", "aten::argmax", Policy.MOVEMENT, ""),
+    ("void at::native::reduce_kernel<...func_wrapper...>", "aten::sum", Policy.KERNEL, "torch_reduce"),
+    ("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>", "aten::add", Policy.ELEMENTWISE, ""),
+    ("void at::native::index_elementwise_kernel<...>", "aten::index", Policy.MOVEMENT, ""),
+])
+def test_kernel_table_on_hopper_names(kernel, op, policy, case):
+    rule = VK.classify(kernel, op)
+    assert rule is not None, f"{kernel} under {op} is unmapped"
+    assert (rule.policy, rule.case) == (policy, case), f"{kernel} under {op}: {rule}"
+
+
+def test_unknown_kernel_is_unmapped():
+    assert VK.classify("some_new_custom_reduction_kernel", "_C::mystery") is None
+
+
+def test_every_rule_names_an_existing_case():
+    """The table's claims point at cases the C2 file runs (and only KERNEL rules name one)."""
+    for rule in VK.RULES:
+        if rule.policy is Policy.KERNEL:
+            assert rule.case in VK.CASES and not VK.CASES[rule.case].planted, rule
+        else:
+            assert not rule.case, rule
+
+
+def test_inventory_summary_and_artifacts():
+    inv = VK.KernelInventory.from_launches(VK.read_trace(synthetic_trace()), model="m", settings={"x": 1},
+                                           module_classes={"Qwen3MLP": ["model.layers.0.mlp"]})
+    assert inv.launches == 4 and not inv.unmapped
+    assert set(inv.kernel_cases()) == {"linear", "silu_and_mul"}
+    assert inv.phases_seen() == {"decode", "prefill"}
+    json.dumps(inv.as_dict())
+    md = inv.markdown()
+    assert "matmul_kernel_persistent" in md and "UNMAPPED" not in md
+
+
+def test_cases_for_dense_and_moe():
+    dense = VK.dims_from_config({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512})
+    moe = VK.dims_from_config({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512, "num_experts": 8,
+                               "num_experts_per_tok": 2, "moe_intermediate_size": 32})
+    assert "fused_moe" not in VK.cases_for(dense) and "fused_moe" in VK.cases_for(moe)
+    assert not any(VK.CASES[c].planted for c in VK.cases_for(moe))
+    assert dense["head_dim"] == 16 and dense["kv_heads"] == 4
+
+
+def test_kernel_inventory_through_the_worker_protocol(tmp_path):
+    """The parent's kernel_inventory() over the real pipe (fake backend): launches come back,
+    the unknown kernel is reported unmapped with its op and module."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000, "eos_token_id": 7}))
+    from fixtures.contract import Request, SamplingParams
+    with ve.VLLMEngine(d, fake="echo", log_dir=tmp_path) as eng:
+        inv = eng.kernel_inventory([Request("a", (1, 2, 3), SamplingParams(max_tokens=2))], model="fake")
+    assert inv.launches == 4
+    assert [e.kernel for e in inv.unmapped] == ["fake_mystery_kernel"]
+    assert inv.unmapped[0].ops == {"fake::op"} and inv.unmapped[0].module_classes == {"Qwen3MLP"}
+    assert inv.phases_seen() == {"prefill", "decode"}
+
+
+def test_kernel_inventory_refuses_graphs(tmp_path):
+    from fixtures.contract import EngineSettings
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000, "eos_token_id": 7}))
+    with ve.VLLMEngine(d, EngineSettings(cuda_graphs=True), fake="echo", log_dir=tmp_path) as eng:
+        with pytest.raises(ValueError, match="eager"):
+            eng.kernel_inventory([])
+
+
+def test_refused_invariance_is_a_clear_red_not_a_skip(tmp_path):
+    """vLLM 0.26 refuses VLLM_BATCH_INVARIANT=1 for Mamba backends at start-up: the adapter turns
+    that into VLLMInvarianceRefused (a failure naming vLLM's reason), while the same model with
+    invariance off starts (the controls show what users get)."""
+    from fixtures.contract import EngineSettings
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "nemotron_h", "vocab_size": 1000, "eos_token_id": 7}))
+    with pytest.raises(ve.VLLMInvarianceRefused, match="MAMBA2_ATTN.*gate is red"):
+        ve.VLLMEngine(d, fake="refuse_bi", log_dir=tmp_path)
+    assert not issubclass(ve.VLLMInvarianceRefused, NotImplementedError)   # never read as "n/a"
+    with ve.VLLMEngine(d, EngineSettings(batch_invariant=False), fake="refuse_bi", log_dir=tmp_path) as stock:
+        assert stock.alive
