@@ -115,3 +115,26 @@ def inventory(trainer, proxy, model_name, impl, artifact_dir):
                          table=impl.kernel_table(), kernel_mode=getattr(impl, "kernel_mode", None))
     inv.write(artifact_dir, f"inventory-{model_id(model_name)}")
     return inv
+
+
+@pytest.fixture(scope="session")
+def engine_kernel_inventory(engine_factory, proxy, model_name, artifact_dir):
+    """The engine's own kernels (engines exposing `kernel_inventory`, i.e. vLLM): every CUDA
+    kernel launched for a prefill + decode + sampling workload, with the op, module class and
+    phase that launched it (fixtures.vllm_kernels.KernelInventory); written into the report.
+    C0 maps each kernel; C2 checks the cases the kernels map to. Skips "n/a" for engines
+    without the method (the reference engine runs the trainer's kernels)."""
+    import json
+    from fixtures.contract import EngineSettings
+    from fixtures.plugin import model_id
+    from fixtures.vllm_kernels import inventory_workload
+    with engine_factory(EngineSettings(cuda_graphs=False, compilation=False)) as engine:
+        take = getattr(engine, "kernel_inventory", None)
+        if take is None:
+            pytest.skip("n/a: the engine exposes no kernel_inventory (its kernels are the trainer's, "
+                        "inventoried by test_c0_inventory.py)")
+        inv = take(inventory_workload(proxy.config.vocab_size), model=model_id(model_name))
+    name = f"engine-kernels-{model_id(model_name)}"
+    (artifact_dir / f"{name}.json").write_text(json.dumps(inv.as_dict(), indent=1, sort_keys=True))
+    (artifact_dir / f"{name}.md").write_text(inv.markdown())
+    return inv

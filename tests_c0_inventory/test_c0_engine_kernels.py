@@ -15,38 +15,13 @@ import re
 import pytest
 
 from fixtures import vllm_kernels as VK
-from fixtures.contract import EngineSettings, Request, SamplingParams
 
 pytestmark = pytest.mark.C0
 
 
-def inventory_workload(vocab: int) -> list[Request]:
-    """A prompt longer than 256 tokens (kernels switch there), short ones, greedy and seeded
-    sampling, and one prompt-logprob request: prefill, decode and both logprob paths."""
-    import torch
-    g = torch.Generator().manual_seed(1234)
-
-    def ids(n):
-        return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
-    return [Request("long", ids(300), SamplingParams(max_tokens=6, temperature=0.0)),
-            Request("short-sampled", ids(9), SamplingParams(max_tokens=6, temperature=1.0, seed=7)),
-            Request("short-greedy", ids(23), SamplingParams(max_tokens=6, temperature=0.0)),
-            Request("prompt-logprobs", ids(40), SamplingParams(max_tokens=2, temperature=0.0), want_prompt_logprobs=True)]
-
-
 @pytest.fixture(scope="module")
-def engine_kernels(engine_factory, proxy, model_name, artifact_dir):
-    from fixtures.plugin import model_id
-    with engine_factory(EngineSettings(cuda_graphs=False, compilation=False)) as engine:
-        take = getattr(engine, "kernel_inventory", None)
-        if take is None:
-            pytest.skip("n/a: the engine exposes no kernel_inventory (its kernels are the trainer's, "
-                        "inventoried by test_c0_inventory.py)")
-        inv = take(inventory_workload(proxy.config.vocab_size), model=model_id(model_name))
-    name = f"engine-kernels-{model_id(model_name)}"
-    (artifact_dir / f"{name}.json").write_text(json.dumps(inv.as_dict(), indent=1, sort_keys=True))
-    (artifact_dir / f"{name}.md").write_text(inv.markdown())
-    return inv
+def engine_kernels(engine_kernel_inventory):
+    return engine_kernel_inventory
 
 
 def test_engine_kernels_traced(engine_kernels):

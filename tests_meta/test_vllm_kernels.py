@@ -152,3 +152,31 @@ def test_refused_invariance_is_a_clear_red_not_a_skip(tmp_path):
     assert not issubclass(ve.VLLMInvarianceRefused, NotImplementedError)   # never read as "n/a"
     with ve.VLLMEngine(d, EngineSettings(batch_invariant=False), fake="refuse_bi", log_dir=tmp_path) as stock:
         assert stock.alive
+
+
+@pytest.mark.parametrize("kernel, op, policy, case", [
+    # names seen on the H200 (vLLM 0.26.0, Qwen3-MoE shallow, eager, FLASH_ATTN), 2026-11-30
+    ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<flash::...", "_vllm_fa3_C::fwd",
+     Policy.KERNEL, "attention"),
+    ("void flash::prepare_varlen_num_blocks_kernel<1, false>(int, int, int, int const*, int c...", "_vllm_fa3_C::fwd",
+     Policy.MOVEMENT, ""),
+    ("Memcpy DtoH (Device -> Pinned)", "aten::copy_", Policy.MOVEMENT, ""),
+    ("Memset (Device)", "aten::sum", Policy.MOVEMENT, ""),
+    ("triton_red_fused_ge_sum_0", "triton_red_fused_ge_sum_0", Policy.MOVEMENT, ""),
+    ("_compute_slot_mapping_kernel", "", Policy.MOVEMENT, ""),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wra...", "aten::amax",
+     Policy.MOVEMENT, ""),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wra...", "aten::sum",
+     Policy.KERNEL, "torch_reduce"),
+    ("std::enable_if<((0)==(0))||(!vllm::_typeConvert<c10::BFloat16>::exists), void>::type vl...",
+     "_C::fused_add_rms_norm", None, None),
+])
+def test_kernel_table_on_h200_names(kernel, op, policy, case):
+    """The kernel names the H200 run listed; the fused-add norm's name is truncated by the
+    profiler to its enable_if prefix, so it is matched by its op (see the rule)."""
+    rule = VK.classify(kernel, op)
+    if policy is None:
+        assert rule is not None and rule.case == "fused_add_rms_norm", rule
+        return
+    assert rule is not None, f"{kernel} under {op} is unmapped"
+    assert (rule.policy, rule.case) == (policy, case), f"{kernel} under {op}: {rule}"
