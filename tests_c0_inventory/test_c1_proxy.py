@@ -78,7 +78,8 @@ def test_op_kinds_equal_real_model(trainer, proxy, real_config):
     module = trainer.module()
     attn = getattr(getattr(module, "config", None), "_attn_implementation", None) or "eager"
     mine = op_kinds.op_kinds(module, vocab_size=proxy.config.vocab_size)
-    real = op_kinds.real_op_kinds(real_config, attn_implementation=attn)
+    dtype = next(module.parameters()).dtype
+    real = op_kinds.real_op_kinds(real_config, attn_implementation=attn, dtype=dtype)
     assert mine == real, op_kinds.describe_difference(mine, real)
 
 
