@@ -152,12 +152,18 @@ def test_grad_within_bound_expensive(case_id, kernel_mode, record_metric):
 
 @pytest.mark.parametrize("planted", sorted(G.PLANTED_BACKWARDS))
 def test_planted_backward_exceeds_bound(planted, kernel_mode, record_metric):
-    """Negative control: the check must report each planted wrong backward, at every drawn shape."""
+    """Negative control: the check must report each planted wrong backward, at every drawn shape.
+
+    A planted rounding fault shows in each output element only with some probability: one element
+    can by chance round within the bound (measured: a bf16-accumulated sum of 64 rows into a
+    single element stayed at ratio 0.46 for 1 seed in 20). So the drawn shapes of this control
+    have at least 16 output columns, where the fault is seen every time (20 of 20 seeds, min
+    ratio 127); the degenerate shape stays pinned as an example with a seed where it shows."""
     p = G.PLANTED_BACKWARDS[planted]
     least = {"ratio": float("inf")}
 
     @settings(max_examples=_examples(G.GRAD_CASES[p.case].expensive))
-    @given(shape=G.grad_shapes())
+    @given(shape=G.grad_shapes(min_width=16))
     @example(shape=PINNED[0])
     @example(shape=PINNED[1])
     def run(shape):

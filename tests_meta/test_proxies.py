@@ -299,3 +299,17 @@ def test_load_without_weights_or_with_bad_weights(tmp_path, tiny):
     save_file(weights, str(d / "model.safetensors"))
     with pytest.raises(P.ProxyError, match="missing_keys.*model.norm.weight"):
         P.load_model(d)
+
+
+def test_op_kinds_twin_follows_the_proxy_dtype(tmp_path):
+    """A bf16 proxy (the GPU lane's) casts to fp32 inside its norms and attention; the structure
+    twin traced in fp32 would not, so C1 traces the twin in the proxy's dtype (seen on the H200:
+    8 `aten._to_copy` kinds "only in the proxy" before this)."""
+    from fixtures import op_kinds
+    from fixtures.reference import ReferenceImplementation
+    spec = P.build_proxy("qwen3", "tiny", tmp_path / "p", seed=0, dtype=torch.bfloat16)
+    model = ReferenceImplementation(dtype=torch.bfloat16).make_trainer(spec.path).module()
+    attn = model.config._attn_implementation
+    mine = op_kinds.op_kinds(model, vocab_size=spec.config.vocab_size)
+    assert mine == op_kinds.real_op_kinds(P.source_config("qwen3"), attn_implementation=attn, dtype=torch.bfloat16)
+    assert mine != op_kinds.real_op_kinds(P.source_config("qwen3"), attn_implementation=attn)   # the trap
