@@ -99,6 +99,9 @@ def test_inventory_summary_and_artifacts():
                                            module_classes={"Qwen3MLP": ["model.layers.0.mlp"]})
     assert inv.launches == 4 and not inv.unmapped
     assert set(inv.kernel_cases()) == {"linear", "silu_and_mul"}
+    head = VK.Launch("matmul_kernel_persistent", "", "logits_processor", "LogitsProcessor", "sample")
+    with_head = VK.KernelInventory.from_launches([head], model="m", settings={})
+    assert set(with_head.kernel_cases()) == {"linear", "lm_head"}
     assert inv.phases_seen() == {"decode", "prefill"}
     json.dumps(inv.as_dict())
     md = inv.markdown()
