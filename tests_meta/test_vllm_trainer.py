@@ -1,0 +1,101 @@
+"""fixtures.vllm_trainer on the CPU: the engine-layout forward (vLLM's op order: merged QKV and
+gate-up GEMMs, per-head q/k norm, flat neox rotary, fused residual-add norms) computes the same
+model as transformers, forward and backward, with the plain-torch provider; kernel_op gives the
+kernel's forward bits and the reference's gradient; unsupported models are "n/a". The GPU provider
+(vLLM's own kernels) is exercised by gate C7 with --impl fixtures.vllm_engine:engine_kernel_trainer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures import proxies as P
+from fixtures import vllm_trainer as VT
+from fixtures.contract import Layout
+from fixtures.hf_trainer import HFTrainer, token_logprobs
+
+SEQS = [[5, 17, 3, 99, 250, 7, 8], [1, 2], [400, 12, 12, 12, 60]]
+
+
+@pytest.fixture(scope="module", params=["qwen3"])
+def proxy_dir(request, tmp_path_factory):
+    return P.build_proxy(request.param, "tiny", tmp_path_factory.mktemp(request.param), seed=3).path
+
+
+def _hf_logprobs(model, seqs):
+    out = []
+    for s in seqs:
+        ids = torch.tensor([s])
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+        out.append(token_logprobs(logits[:-1], ids[0, 1:]))
+    return out
+
+
+def test_engine_layout_forward_is_the_same_model(proxy_dir):
+    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        mine = trainer.logprobs_with_grad(SEQS, layout=Layout.PACKED)
+        ref = _hf_logprobs(trainer.model, SEQS)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_layout_backward_matches_transformers(proxy_dir):
+    """The gradient of a policy-gradient-like loss through kernel_op's reference backwards equals
+    transformers' autograd gradient (fp32, tolerance: a different but equivalent op order)."""
+    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    model = trainer.model
+    weights = [torch.linspace(-1, 1, len(s) - 1) for s in SEQS]
+
+    def grads(lps):
+        model.zero_grad(set_to_none=True)
+        sum((w * lp).sum() for w, lp in zip(weights, lps)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    mine = grads(trainer.logprobs_with_grad(SEQS, layout=Layout.PACKED))
+    ref = grads(_hf_logprobs(model, SEQS))
+    assert mine.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(mine[n], ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_kernel_op_forward_is_the_kernels_and_gradient_the_references():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(3, 8, requires_grad=True)
+
+    def kernel(a, b):                   # a "kernel" that rounds differently from the reference
+        return VT.ref_linear(a, b) + 1e-3
+    y = VT.kernel_op(kernel, VT.ref_linear, x, w)
+    assert torch.equal(y.detach(), kernel(x.detach(), w.detach()))
+    y.sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    VT.ref_linear(x2, w2).sum().backward()
+    assert torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
+
+
+def test_tuple_outputs_and_integer_inputs():
+    x, r, w = torch.randn(3, 6, requires_grad=True), torch.randn(3, 6, requires_grad=True), torch.ones(6)
+    y, res = VT.kernel_op(lambda a, b, c: VT.ref_fused_add_rms_norm(a, b, c, 1e-6),
+                          lambda a, b, c: VT.ref_fused_add_rms_norm(a, b, c, 1e-6), x, r, w)
+    (y.sum() + 2 * res.sum()).backward()
+    assert x.grad is not None and r.grad is not None
+    pos = torch.arange(3)
+    q, k = torch.randn(3, 8, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    fn = lambda p, a, b: VT.ref_rotary(a, b, *VT.rope_cos_sin(p, 4, 10000.0, a.dtype), 4)  # noqa: E731
+    qo, ko = VT.kernel_op(fn, fn, pos, q, k)
+    (qo.sum() + ko.sum()).backward()
+    assert q.grad is not None and k.grad is not None
+
+
+@pytest.mark.parametrize("model, why", [("qwen3_moe", "covers dense"), ("mamba2", "covers dense"),
+                                        ("llama", "default rotary only .*llama3")])
+def test_unsupported_models_are_na(model, why, tmp_path):
+    d = P.build_proxy(model, "tiny", tmp_path / model, seed=0).path
+    with pytest.raises(NotImplementedError, match=f"^n/a: the engine-kernel trainer .*{why}"):
+        VT.EngineKernelTrainer(d, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+
+
+def test_packed_only(proxy_dir):
+    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    assert trainer.layouts == (Layout.PACKED,)
+    with pytest.raises(NotImplementedError, match="n/a"):
+        trainer.logprobs(SEQS, layout=Layout.PADDED)
+    assert isinstance(trainer, HFTrainer)     # optimizer, export and hashes are transformers'
