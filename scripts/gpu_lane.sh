@@ -31,7 +31,8 @@
 #   full-qwen3     full depth (36 layers; the 16 GB bf16 proxy is built on the CPU first, estimated
 #                  1-2 min): needle, decode=prefill and same-batch checks plus their controls
 #
-# Knobs (environment): OUT (reports; the device call's $OUT), SITE (/tmp/site), LANE_BUDGET_S
+# Knobs (environment): OUT (where gpu-lane.tgz and lane-summary.txt go; the device call's $OUT),
+# RESULTS (the working folder packed into it; default /tmp/gpu-lane-<time>), SITE (/tmp/site), LANE_BUDGET_S
 # (seconds for all stages together, default 560: the rest of a 600 s call is for start-up and
 # copying $OUT back), PER_TEST_TIMEOUT (300, needs pytest-timeout), PYTEST_X (-x; set to "" to go
 # on after a failure), HYPOTHESIS_PROFILE (ci), CONFORMANCE_VLLM_IDLE_ENGINES (idle engine
@@ -41,7 +42,11 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-OUT=${OUT:-$PWD/out/gpu-lane}
+# The device tool returns only a few files from $OUT: the lane works in RESULTS and packs it into
+# $OUT/gpu-lane.tgz at the end (lane-summary.txt is also copied out on its own).
+FINAL_OUT=${OUT:-$PWD/out/gpu-lane}
+OUT=${RESULTS:-/tmp/gpu-lane-$(date +%s)}
+mkdir -p "$FINAL_OUT"
 SITE=${SITE:-/tmp/site}
 BUDGET=${LANE_BUDGET_S:-560}
 PER_TEST=${PER_TEST_TIMEOUT:-300}
@@ -83,6 +88,7 @@ EOF
 
 if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
   echo "vLLM is not importable with PYTHONPATH=$PYTHONPATH: run 'bash gpu_bundles/install.sh $SITE' first" | tee -a "$OUT/lane-env.txt"
+  cp "$OUT/lane-env.txt" "$FINAL_OUT/"
   exit 2
 fi
 TIMEOUT_OPT=()
@@ -159,5 +165,9 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
       exit 2 ;;
   esac
 done
-echo "== lane done in $(( $(date +%s) - START ))s, exit $status; reports and worker logs under $OUT" | tee -a "$OUT/lane-summary.txt"
+echo "== lane done in $(( $(date +%s) - START ))s, exit $status; reports and worker logs in $FINAL_OUT/gpu-lane.tgz" \
+  | tee -a "$OUT/lane-summary.txt"
+find "$OUT" -name "*.trace.json" -size +20M -delete 2>/dev/null   # profiler traces of full-depth runs
+tar -czf "$FINAL_OUT/gpu-lane.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+cp "$OUT/lane-summary.txt" "$FINAL_OUT/"
 exit $status
