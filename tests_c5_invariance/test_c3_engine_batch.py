@@ -8,6 +8,7 @@ from hypothesis import given, note, strategies as st
 
 from fixtures.comparison import BitwiseMismatch
 from fixtures.contract import EngineSettings, Request, SamplingParams
+from fixtures.localise import localise_in_engine
 from fixtures.workloads import (assert_same_completion, assert_same_completions, engine_settings, max_batch,
                                 needle_batch, requests)
 
@@ -23,7 +24,8 @@ def test_needle_alone_equals_needle_in_batch(engine, proxy, data):
     inside = engine.generate(batch)[pos]
     assert engine.last_stats().max_running > 1 or len(batch) == 1, "the batch never ran requests together"
     assert_same_completion(alone, inside, lhs="alone", rhs=f"at {pos} in a batch of {len(batch)}",
-                           batch_size=len(batch), needle_position=pos)
+                           batch_size=len(batch), needle_position=pos,
+                           localise=lambda: localise_in_engine(engine, needle, batch, pos))
 
 
 @engine_settings(divisor=8, floor=1)
@@ -48,7 +50,8 @@ def test_needle_past_batch_thresholds(engine, proxy, others, position, greedy):
     inside = engine.generate(batch)[position]
     assert engine.last_stats().max_running > 8, f"the batch never had more than 8 requests together: {engine.last_stats()}"
     assert_same_completion(alone, inside, lhs="alone", rhs=f"at {position} in a batch of {len(batch)}",
-                           batch_size=len(batch), needle_position=position)
+                           batch_size=len(batch), needle_position=position,
+                           localise=lambda: localise_in_engine(engine, needle, batch, position))
 
 
 def test_same_batch_twice(engine, proxy):

@@ -305,3 +305,24 @@ def test_split_kv_decode_attention_is_named_prefill_vs_decode(llama_dir, batch):
     with fault.active():
         loc = localise(prefill, decode, model, Rows.token(n), Rows.token(0, call=1))
     assert loc is not None and (loc.module, loc.op) == (fault.module, fault.op), loc and loc.describe()
+
+
+def test_engine_rows_name_the_module_where_a_batch_changes_a_request(tmp_path):
+    """C3's engine-side localisation: a request alone vs inside a batch, module output rows of its
+    tokens compared in call order. Clean engine: nothing differs; with the planted batch-wide MoE
+    activation scale, the experts module is named (the fault's module)."""
+    from fixtures.contract import Request, SamplingParams
+    from fixtures.localise import localise_in_engine
+    from fixtures.proxies import build_proxy
+    from fixtures.reference_engine import ReferenceEngine
+    spec = build_proxy("qwen3_moe", "tiny", tmp_path / "moe", seed=0)
+    engine = ReferenceEngine(spec.path)
+    needle = Request("needle", (5, 9, 200, 31, 7), SamplingParams(max_tokens=3))
+    batch = [Request("o1", (44, 45, 46), SamplingParams(max_tokens=2)), needle,
+             Request("o2", tuple(range(100, 121)), SamplingParams(max_tokens=2))]
+    clean = localise_in_engine(engine, needle, batch, 1)
+    assert clean.startswith("every recorded module output"), clean
+    fault = FAULTS["moe_batch_activation_scale"]
+    with fault.active(engine):
+        found = localise_in_engine(engine, needle, batch, 1)
+    assert f"{fault.module} (" in found and "output elements differ" in found and "ULP" in found, found
