@@ -20,8 +20,9 @@
 #                  inventory under the profiler, then each mapped kernel called directly at
 #                  hypothesis-drawn token counts, VLLM_BATCH_INVARIANT=1, plus its =0 controls
 #   kernels-moe    the same for qwen3_moe shallow (adds fused MoE and the router)
-#   c7-engine-kernels  C6 + C7 with the trainer on vLLM's own forward kernels (fixtures.vllm_trainer),
-#                  qwen3 shallow: the headline train-inference parity check (not yet run on a GPU)
+#   c7-engine-kernels  C6, C7 and C9 with the trainer on vLLM's own forward kernels (fixtures.vllm_trainer)
+#                  and weights pushed through vLLM's reload path, qwen3 shallow: the headline
+#                  train-inference parity check (not yet run on a GPU)
 #   hybrid         C3 on nemotron_h shallow: vLLM refuses batch invariance for Mamba layers (red,
 #                  with vLLM's reason); the stock-engine control shows what users get instead
 #   upto-qwen3     the verdict run: --upto C5 (C0..C2 on the trainer first), qwen3 shallow, -x
@@ -148,7 +149,7 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
         --report="$OUT/report-$stage" ;;
     c7-engine-kernels)
       run_stage c7-engine-kernels --impl fixtures.vllm_engine:engine_kernel_trainer --proxy shallow --model=qwen3 \
-        -m "C6 or C7" --durations=10 --report="$OUT/report-c7-engine-kernels" ;;
+        -m "C6 or C7 or C9" --durations=10 --report="$OUT/report-c7-engine-kernels" ;;
     hybrid)
       run_stage hybrid --impl vllm --proxy shallow --model=nemotron_h -m C3 --durations=10 \
         --report="$OUT/report-hybrid" ;;

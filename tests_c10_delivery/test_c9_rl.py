@@ -30,6 +30,12 @@ def rl_step(engine, trainer, vocab: int, seed: int, record=None, label=""):
     return metrics, info
 
 
+def _lossy(dtype: torch.dtype) -> torch.dtype:
+    """A narrower float format for the lossy-push control: bf16 for fp32 weights; for bf16 / fp16
+    weights (the GPU lane) an 8-bit float, since a bf16 round trip of bf16 weights changes nothing."""
+    return torch.bfloat16 if dtype == torch.float32 else torch.float8_e4m3fn
+
+
 def mismatched_hashes(a: dict, b: dict) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
@@ -79,9 +85,10 @@ def test_skipped_push_is_detected(fresh_pair, proxy):
 
 
 def test_push_through_another_dtype_is_detected(fresh_pair, proxy):
-    """Negative control: weights synced through bfloat16 (a rounding the trainer never holds)."""
+    """Negative control: weights synced through a narrower float (bf16 for fp32 weights, fp8 for
+    bf16 ones): a rounding the trainer never holds."""
     engine, trainer = fresh_pair
     rl_step(engine, trainer, proxy.config.vocab_size, seed=10)
-    engine.load_weights({k: v.to(torch.bfloat16).to(v.dtype) for k, v in trainer.export_weights().items()})
+    engine.load_weights({k: v.to(_lossy(v.dtype)).to(v.dtype) for k, v in trainer.export_weights().items()})
     assert mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()), \
-        "a bf16 round trip of the weights went unnoticed by the hashes"
+        "a lossy round trip of the weights went unnoticed by the hashes"

@@ -266,6 +266,7 @@ def test_capabilities_follow_the_probes_and_the_resolved_config():
     assert caps.prefix_cache and caps.chunked_prefill and caps.preemption and caps.cuda_graphs
     assert caps.compilation and caps.async_scheduling and caps.top_p and caps.top_k and caps.n_samples
     assert caps.prompt_logprobs and caps.seeded_sampling and not caps.weight_update
+    assert ve.capabilities_from_info(_info(probes=["reload"])).weight_update     # the runner has reload_weights
     bare = ve.capabilities_from_info(_info(probes=[], enable_prefix_caching=False))
     assert not (bare.prefix_cache or bare.chunked_prefill or bare.preemption or bare.cuda_graphs or bare.compilation
                 or bare.async_scheduling)
@@ -576,3 +577,39 @@ def test_real_prefix_cache_hit_is_read(real_impl, small_model):
         again = eng.generate([Request("pl", shared + (3,), SamplingParams(max_tokens=2), want_prompt_logprobs=True)])[0]
     assert hit.num_cached_tokens >= 48
     assert again.num_cached_tokens == 0 and again.prompt_logprobs.shape[0] == len(shared)
+
+
+
+def test_canonical_weights_split_merged_projections():
+    """vLLM's merged qkv_proj / gate_up_proj come back under the checkpoint's q/k/v and
+    gate/up names, split by the layers' output sizes; other names pass through; fused MoE
+    experts are n/a; a size mismatch is a clear error."""
+    q, k, v = torch.randn(8, 4), torch.randn(2, 4), torch.randn(2, 4)
+    g, u = torch.randn(6, 4), torch.randn(6, 4)
+    params = [("model.layers.0.self_attn.qkv_proj.weight", torch.cat([q, k, v])),
+              ("model.layers.0.mlp.gate_up_proj.weight", torch.cat([g, u])),
+              ("model.norm.weight", torch.ones(4))]
+    sizes = {"model.layers.0.self_attn.qkv_proj": [8, 2, 2], "model.layers.0.mlp.gate_up_proj": [6, 6]}
+    out = dict(ve.canonical_weights(params, sizes))
+    assert list(out) == ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                         "model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+                         "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    assert torch.equal(out["model.layers.0.self_attn.k_proj.weight"], k)
+    assert torch.equal(out["model.layers.0.mlp.up_proj.weight"], u)
+    with pytest.raises(ValueError, match="cannot split"):
+        list(ve.canonical_weights(params, {"model.layers.0.self_attn.qkv_proj": [8, 4]}))
+    with pytest.raises(NotImplementedError, match="^n/a: canonical checkpoint names of vLLM's fused MoE"):
+        list(ve.canonical_weights([("model.layers.0.mlp.experts.w13_weight", torch.zeros(2, 4, 4))], {}))
+
+
+def test_weight_push_through_the_worker_protocol(model_dir, tmp_path):
+    """load_weights travels as a safetensors file to the worker, weight_hashes come back under the
+    names pushed (fake backend: the real one reloads through vLLM's runner)."""
+    from fixtures.hf_trainer import tensor_sha256
+    weights = {"model.embed_tokens.weight": torch.randn(10, 4, dtype=torch.bfloat16),
+               "model.norm.weight": torch.ones(4, dtype=torch.bfloat16)}
+    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
+        assert eng.capabilities().weight_update
+        eng.load_weights(weights)
+        assert eng.weight_hashes() == {k: tensor_sha256(v) for k, v in weights.items()}
+    assert not list(tmp_path.glob("*.weights.safetensors")), "the weights file must not be left behind"
