@@ -62,7 +62,9 @@ def test_engine_attention_is_the_declared_backend(engine_kernels):
     backends = engine_kernels.info.get("attention_backends") or []
     attn = [k for k, e in engine_kernels.entries.items() if e.rule is not None and e.rule.case == "attention"]
     assert attn, f"no attention kernel among the launches (backends reported: {backends})"
-    if any("FLASH_ATTN" in b for b in backends):
-        assert any(e for k, e in engine_kernels.entries.items() if k in attn and re.search(r"flash|Flash|fmha", k)), (
-            f"backend {backends} reported, but the attention kernels launched were: {attn}")
+    expected = {"FLASH_ATTN": r"flash|Flash|fmha", "TRITON_ATTN": r"unified_attention"}
+    for backend, pattern in expected.items():
+        if any(backend in b for b in backends):
+            assert any(re.search(pattern, k) for k in attn), (
+                f"backend {backends} reported, but the attention kernels launched were: {attn}")
 

@@ -105,7 +105,7 @@ def test_vllm_attention_batch(lens, needle, reached, workers):
     require_reached("attention", reached)
     needle %= len(lens)
     out = workers(True).attention("batch", lens=lens, needle=needle)
-    assert_bitwise(out["lhs"], out["rhs"], what=f"vLLM attention (FA{out['fa_version']}, num_splits={out['num_splits']})",
+    assert_bitwise(out["lhs"], out["rhs"], what=_attention_label(out),
                    lhs_name=f"sequence {needle} in a batch of lengths {lens}", rhs_name="alone")
 
 
@@ -117,7 +117,7 @@ def test_vllm_attention_decode(length, reached, workers):
     """The query of the last position decoded over the cached prefix == that row of the prefill."""
     require_reached("attention", reached)
     out = workers(True).attention("decode", lens=[length], needle=0)
-    assert_bitwise(out["lhs"], out["rhs"], what=f"vLLM attention (FA{out['fa_version']}, num_splits={out['num_splits']})",
+    assert_bitwise(out["lhs"], out["rhs"], what=_attention_label(out),
                    lhs_name=f"decode at position {length - 1}", rhs_name="the prefill row")
 
 
@@ -130,8 +130,14 @@ def test_vllm_attention_chunked(length, data, reached, workers):
     require_reached("attention", reached)
     split = data.draw(st.integers(1, length - 1), label="split") if data is not None else 17
     out = workers(True).attention("chunked", lens=[length], needle=0, split=split)
-    assert_bitwise(out["lhs"], out["rhs"], what=f"vLLM attention (FA{out['fa_version']}, num_splits={out['num_splits']})",
+    assert_bitwise(out["lhs"], out["rhs"], what=_attention_label(out),
                    lhs_name=f"prefill split at {split}", rhs_name="unsplit", length=length)
+
+
+def _attention_label(out: dict) -> str:
+    if out.get("backend") == "TRITON_ATTN":
+        return "vLLM attention (Triton unified attention)"
+    return f"vLLM attention (FA{out['fa_version']}, num_splits={out['num_splits']})"
 
 
 # ---------------------------------------------------------------------------------------------
