@@ -23,6 +23,7 @@
 #   c7-engine-kernels  C6, C7 and C9 with the trainer on vLLM's own forward kernels (fixtures.vllm_trainer)
 #                  and weights pushed through vLLM's reload path, qwen3 shallow: the headline
 #                  train-inference parity check (not yet run on a GPU)
+#   tp2-qwen3      C3 + C4 with every engine at tensor parallel 2 (the 2-GPU kind; not yet run)
 #   hybrid         C3 on nemotron_h shallow: vLLM refuses batch invariance for Mamba layers (red,
 #                  with vLLM's reason); the stock-engine control shows what users get instead
 #   upto-qwen3     the verdict run: --upto C5 (C0..C2 on the trainer first), qwen3 shallow, -x
@@ -150,6 +151,9 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
     c7-engine-kernels)
       run_stage c7-engine-kernels --impl fixtures.vllm_engine:engine_kernel_trainer --proxy shallow --model=qwen3 \
         -m "C6 or C7 or C9" --durations=10 --report="$OUT/report-c7-engine-kernels" ;;
+    tp2-qwen3)
+      run_stage tp2-qwen3 --impl fixtures.vllm_engine:tensor_parallel_2 --proxy shallow --model=qwen3 \
+        -m "C3 or C4" --durations=10 --report="$OUT/report-tp2-qwen3" ;;
     hybrid)
       run_stage hybrid --impl vllm --proxy shallow --model=nemotron_h -m C3 --durations=10 \
         --report="$OUT/report-hybrid" ;;
@@ -162,7 +166,7 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
         -k "needle or same_batch_twice or decode_equals_prefill or control_stock" --report="$OUT/report-qwen3-full" ;;
     *)
       echo "unknown stage $stage (smoke kernels-qwen3 kernels-moe c3c4-qwen3 c5-qwen3 engines-qwen3 c3c4-moe" \
-           "c5-moe engines-moe upto-qwen3 upto-moe c7-engine-kernels hybrid controls full-qwen3)" >&2
+           "c5-moe engines-moe upto-qwen3 upto-moe c7-engine-kernels tp2-qwen3 hybrid controls full-qwen3)" >&2
       exit 2 ;;
   esac
 done

@@ -613,3 +613,17 @@ def test_weight_push_through_the_worker_protocol(model_dir, tmp_path):
         eng.load_weights(weights)
         assert eng.weight_hashes() == {k: tensor_sha256(v) for k, v in weights.items()}
     assert not list(tmp_path.glob("*.weights.safetensors")), "the weights file must not be left behind"
+
+
+
+def test_tensor_parallel_is_a_setting_vllm_must_honour():
+    """TP=2 reaches vLLM's kwargs, is part of the engine identity, and a worker that resolved
+    another degree is refused; the kernel inventory is n/a there (runners in vLLM's workers)."""
+    from dataclasses import replace
+    tp2 = replace(ve.EAGER_DEFAULTS, tensor_parallel_size=2)
+    assert ve.llm_kwargs("/m", EngineSettings(), tp2)["tensor_parallel_size"] == 2
+    assert ve.llm_kwargs("/m", EngineSettings())["tensor_parallel_size"] == 1
+    assert ve.engine_key("/m", EngineSettings(), tp2) != ve.engine_key("/m", EngineSettings())
+    eff = ve.effective_settings(EngineSettings(), tp2)
+    assert any("tensor_parallel_size" in m for m in ve.resolution_mismatches(eff, _info(tensor_parallel_size=1)))
+    assert ve.tensor_parallel_2().defaults.tensor_parallel_size == 2
