@@ -41,15 +41,18 @@ def proxy(model_name, pytestconfig, tmp_path_factory, impl):
     """The proxy model of `model_name` at --proxy size: a ProxySpec whose `path` is a directory
     with config.json + model.safetensors (seeded random weights, token ids only), built once per
     session. Engines and trainers load it from `path`."""
-    from fixtures.proxies import build_proxy
+    from fixtures.proxies import build_engine_dummy, build_proxy
     from fixtures.plugin import model_id
-    _check_proxy_fits(model_name, pytestconfig.getoption("--proxy"), impl)
+    dummy = pytestconfig.getoption("--proxy-weights") == "engine-dummy"
+    _check_proxy_fits(model_name, pytestconfig.getoption("--proxy"), impl, copies=1 if dummy else 2)
     out = tmp_path_factory.mktemp(f"proxy-{model_id(model_name)}")
+    if dummy:
+        return build_engine_dummy(model_name, pytestconfig.getoption("--proxy"), out, dtype=impl.dtype())
     return build_proxy(model_name, pytestconfig.getoption("--proxy"), out,
                        seed=pytestconfig.getoption("--proxy-seed"), dtype=impl.dtype())
 
 
-def _check_proxy_fits(model_name, size, impl) -> None:
+def _check_proxy_fits(model_name, size, impl, copies: int = 2) -> None:
     """A proxy the machine cannot hold is "not run" with the numbers, not an out-of-memory kill."""
     import os
     import torch
@@ -62,9 +65,10 @@ def _check_proxy_fits(model_name, size, impl) -> None:
         have, where = torch.cuda.mem_get_info()[0], "free GPU memory"
     else:
         have, where = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "available memory"
-    if 2 * need > have:   # the engine and the trainer each hold a copy
+    if copies * need > have:   # the engine and the trainer each hold a copy (engine-dummy: the engine only)
         pytest.skip(f"the {size} proxy of {model_name} has {params / 1e9:.2f}B parameters: "
-                    f"{2 * need / 2**30:.1f} GiB for engine + trainer in {impl.dtype()}, "
+                    f"{copies * need / 2**30:.1f} GiB for {'engine + trainer' if copies == 2 else 'the engine'} "
+                    f"in {impl.dtype()}, "
                     f"{have / 2**30:.1f} GiB {where} (use --proxy tiny on the CPU lane)")
 
 
@@ -73,7 +77,11 @@ def trainer(impl, proxy):
     """A Trainer holding the proxy (fixtures.contract.Trainer): logprobs(sequences, layout=,
     micro_batch_size=) -> list of float32 [len-1] tensors; module() -> the torch module it runs;
     export_weights() -> {canonical name: tensor}. One per model per session."""
-    t = impl.make_trainer(proxy.path)
+    try:
+        t = impl.make_trainer(proxy.path)
+    except NotImplementedError as exc:
+        msg = str(exc)
+        pytest.skip(msg if msg.startswith("n/a") else f"n/a (no trainer): {msg}")
     yield t
     t.close()
 

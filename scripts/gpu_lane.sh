@@ -32,6 +32,9 @@
 #   controls       only the negative controls (VLLM_BATCH_INVARIANT=0 engines must differ)
 #   full-qwen3     full depth (36 layers; the 16 GB bf16 proxy is built on the CPU first, estimated
 #                  1-2 min): needle, decode=prefill and same-batch checks plus their controls
+#   full-dummy-qwen3, full-dummy-moe   the same at full depth with --proxy-weights engine-dummy:
+#                  config only, vLLM draws its own seeded weights (load_format=dummy), so a full
+#                  Qwen3-30B-A3B (61 GB in bf16) needs no weight files on the 64 GB disk (not yet run)
 #
 # Knobs (environment): OUT (where gpu-lane.tgz and lane-summary.txt go; the device call's $OUT),
 # RESULTS (the working folder packed into it; default /tmp/gpu-lane-<time>), SITE (/tmp/site), LANE_BUDGET_S
@@ -164,9 +167,15 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
       CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_FULL run_stage full-qwen3 \
         --impl vllm --proxy full --model=qwen3 -m "C3 or C4" --durations=15 \
         -k "needle or same_batch_twice or decode_equals_prefill or control_stock" --report="$OUT/report-qwen3-full" ;;
+    full-dummy-qwen3|full-dummy-moe)
+      CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_FULL run_stage "$stage" \
+        --impl vllm --proxy full --proxy-weights engine-dummy --model="$model" -m "C3 or C4" --durations=15 \
+        -k "needle or same_batch_twice or decode_equals_prefill or control_stock" --report="$OUT/report-$stage" \
+        "${XDIST[@]}" ;;
     *)
       echo "unknown stage $stage (smoke kernels-qwen3 kernels-moe c3c4-qwen3 c5-qwen3 engines-qwen3 c3c4-moe" \
-           "c5-moe engines-moe upto-qwen3 upto-moe c7-engine-kernels tp2-qwen3 hybrid controls full-qwen3)" >&2
+           "c5-moe engines-moe upto-qwen3 upto-moe c7-engine-kernels tp2-qwen3 hybrid controls full-qwen3" \
+           "full-dummy-qwen3 full-dummy-moe)" >&2
       exit 2 ;;
   esac
 done
