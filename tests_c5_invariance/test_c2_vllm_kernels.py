@@ -65,21 +65,6 @@ def workers(dims, artifact_dir):
         w.close()
 
 
-def check_rows(worker: VK.KernelWorker, case: str, sizes, *, seed: int = 0) -> None:
-    """Every probe row of every size equals the row alone; every size repeats bit for bit."""
-    out = worker.run(case, sizes, probes=(0, 5, 63), seed=seed)
-    where = f"vLLM {case} ({VK.CASES[case].doc}), VLLM_BATCH_INVARIANT={int(worker.batch_invariant)}"
-    for M, rows in out["rows"].items():
-        for r, batched, alone in rows:
-            assert_bitwise(batched, alone, what=f"{where}: row {r}", lhs_name=f"row {r} of a {M}-token call",
-                           rhs_name=f"row {r} alone", tokens=M, widths=json.dumps(worker.dims))
-    for M, diff in out["rerun"].items():
-        if diff is not None:
-            r, a, b = diff
-            assert_bitwise(a, b, what=f"{where}: run to run", lhs_name=f"row {r}, first {M}-token call",
-                           rhs_name=f"row {r}, second call", tokens=M)
-
-
 def test_every_inventory_case_is_checked():
     """The kernel table names only cases this file checks (the claim C0 relies on)."""
     named = {r.case for r in VK.RULES if r.case}
@@ -94,7 +79,7 @@ def test_vllm_kernel_rows(case, sizes, dims, reached, workers):
     if case not in VK.cases_for(dims):
         pytest.skip(f"n/a: {case} needs an MoE model (this model has no experts)")
     require_reached(case, reached)
-    check_rows(workers(True), case, sizes)
+    VK.check_rows(workers(True), case, sizes)
 
 
 @_LIVE
@@ -156,7 +141,7 @@ def test_control_stock_vllm_kernels_vary(case, workers, record_metric):
             out = stock.attention("decode", lens=[1500], needle=0)
             assert_bitwise(out["lhs"], out["rhs"], what="stock attention", lhs_name="decode", rhs_name="prefill row")
         else:
-            check_rows(stock, case, CONTROL_SIZES)
+            VK.check_rows(stock, case, CONTROL_SIZES)
     except BitwiseMismatch as exc:
         record_metric(f"stock vLLM {case} control", str(exc).splitlines()[0][:200])
         return
@@ -168,4 +153,4 @@ def test_control_planted_row_split_is_caught(workers):
     """A planted GEMM that changes its reduction order from 64 rows (what a split-K heuristic
     does) must fail the row check in the batch-invariant worker: the check can see such a fault."""
     with pytest.raises(BitwiseMismatch):
-        check_rows(workers(True), "planted_split_k_from_64", THRESHOLD_SIZES)
+        VK.check_rows(workers(True), "planted_split_k_from_64", THRESHOLD_SIZES)
