@@ -197,7 +197,7 @@ def test_kernel_worker_protocol_and_row_check(tmp_path):
     try:
         assert worker.info["vllm"] == "fake" and worker.info["batch_invariant"]
         VK.check_rows(worker, "rms_norm", [1, 7, 64, 257])
-        with pytest.raises(BitwiseMismatch, match=r"row 0 of a 64-token call != row 0 alone.*0x"):
+        with pytest.raises(BitwiseMismatch, match=r"(?s)row 0 of a 64-token call != row 0 alone.*0x"):
             VK.check_rows(worker, "planted_split_k_from_64", [1, 64])
         with pytest.raises(VK.KernelWorkerError, match="unknown kernel case 'nope'"):
             worker.run("nope", [1])
