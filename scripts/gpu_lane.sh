@@ -22,7 +22,7 @@
 #   kernels-moe    the same for qwen3_moe shallow (adds fused MoE and the router)
 #   c7-engine-kernels  C6, C7 and C9 with the trainer on vLLM's own forward kernels (fixtures.vllm_trainer)
 #                  and weights pushed through vLLM's reload path, qwen3 shallow: the headline
-#                  train-inference parity check (not yet run on a GPU)
+#                  train-inference parity check (not yet run on a GPU); c7-engine-kernels-moe: qwen3_moe
 #   tp2-qwen3      C3 + C4 with every engine at tensor parallel 2 (the 2-GPU kind; not yet run)
 #   hybrid         C3 on nemotron_h shallow: vLLM refuses batch invariance for Mamba layers (red,
 #                  with vLLM's reason); the stock-engine control shows what users get instead
@@ -151,9 +151,9 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
       run_stage "$stage" --impl vllm --proxy shallow --model="$model" --durations=10 \
         tests_c0_inventory/test_c0_engine_kernels.py tests_c5_invariance/test_c2_vllm_kernels.py \
         --report="$OUT/report-$stage" ;;
-    c7-engine-kernels)
-      run_stage c7-engine-kernels --impl fixtures.vllm_engine:engine_kernel_trainer --proxy shallow --model=qwen3 \
-        -m "C6 or C7 or C9" --durations=10 --report="$OUT/report-c7-engine-kernels" ;;
+    c7-engine-kernels|c7-engine-kernels-moe)
+      run_stage "$stage" --impl fixtures.vllm_engine:engine_kernel_trainer --proxy shallow --model="$model" \
+        -m "C6 or C7 or C9" --durations=10 --report="$OUT/report-$stage" ;;
     tp2-qwen3)
       run_stage tp2-qwen3 --impl fixtures.vllm_engine:tensor_parallel_2 --proxy shallow --model=qwen3 \
         -m "C3 or C4" --durations=10 --report="$OUT/report-tp2-qwen3" ;;
@@ -174,7 +174,7 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
         "${XDIST[@]}" ;;
     *)
       echo "unknown stage $stage (smoke kernels-qwen3 kernels-moe c3c4-qwen3 c5-qwen3 engines-qwen3 c3c4-moe" \
-           "c5-moe engines-moe upto-qwen3 upto-moe c7-engine-kernels tp2-qwen3 hybrid controls full-qwen3" \
+           "c5-moe engines-moe upto-qwen3 upto-moe c7-engine-kernels c7-engine-kernels-moe tp2-qwen3 hybrid controls full-qwen3" \
            "full-dummy-qwen3 full-dummy-moe)" >&2
       exit 2 ;;
   esac

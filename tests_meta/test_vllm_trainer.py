@@ -16,7 +16,7 @@ from fixtures.hf_trainer import HFTrainer, token_logprobs
 SEQS = [[5, 17, 3, 99, 250, 7, 8], [1, 2], [400, 12, 12, 12, 60]]
 
 
-@pytest.fixture(scope="module", params=["qwen3"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
 def proxy_dir(request, tmp_path_factory):
     return P.build_proxy(request.param, "tiny", tmp_path_factory.mktemp(request.param), seed=3).path
 
@@ -85,7 +85,7 @@ def test_tuple_outputs_and_integer_inputs():
     assert q.grad is not None and k.grad is not None
 
 
-@pytest.mark.parametrize("model, why", [("qwen3_moe", "covers dense"), ("mamba2", "covers dense"),
+@pytest.mark.parametrize("model, why", [("mamba2", "covers qwen3"), ("nemotron_h", "covers qwen3"),
                                         ("llama", "default rotary only .*llama3")])
 def test_unsupported_models_are_na(model, why, tmp_path):
     d = P.build_proxy(model, "tiny", tmp_path / model, seed=0).path
