@@ -68,3 +68,21 @@ def test_engine_attention_is_the_declared_backend(engine_kernels):
             assert any(re.search(pattern, k) for k in attn), (
                 f"backend {backends} reported, but the attention kernels launched were: {attn}")
 
+
+
+def test_trainer_forward_runs_the_engine_kernels(engine_kernels, trainer, proxy, model_name, artifact_dir, tmp_path):
+    """A trainer that claims the engine's arithmetic (it exposes `kernel_inventory`, as the
+    engine-kernel trainer does) launches in its forward only reduction kernels the engine
+    launched too, every one mapped: the claim behind C7, checked kernel by kernel."""
+    take = getattr(trainer, "kernel_inventory", None)
+    if take is None:
+        pytest.skip("n/a: the trainer exposes no kernel_inventory (it runs its own kernels; C7 compares the bits)")
+    from fixtures.plugin import model_id
+    from fixtures.vllm_kernels import inventory_workload
+    inv = take([r.prompt_ids for r in inventory_workload(proxy.config.vocab_size)], tmp_path / "trainer.trace.json")
+    (artifact_dir / f"trainer-kernels-{model_id(model_name)}.md").write_text(inv.markdown())
+    assert inv.launches > 0, "the trainer's forward launched no kernel under the profiler"
+    assert not inv.unmapped, f"trainer kernels with no policy: {[e.kernel for e in inv.unmapped]}"
+    missing = VK.engine_kernels_missing(inv, engine_kernels)
+    assert not missing, (f"{len(missing)} reduction kernel(s) in the trainer's forward that the engine never launched "
+                         f"for {engine_kernels.model}:\n  " + "\n  ".join(missing))

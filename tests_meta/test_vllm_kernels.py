@@ -204,3 +204,30 @@ def test_kernel_worker_protocol_and_row_check(tmp_path):
     finally:
         worker.close()
     assert worker.proc.poll() is not None
+
+
+def test_profile_launches_on_cpu_leaves_no_hooks(tmp_path):
+    """The profiler wrapper runs the call, names module classes, writes the trace and removes its
+    global module hooks (no CUDA here: no kernel launches to list)."""
+    import torch
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    calls = []
+    launches, classes = VK.profile_launches(lambda: calls.append(model(torch.ones(2, 4))), model,
+                                            tmp_path / "t.json", phase="train-forward")
+    assert calls and (tmp_path / "t.json").is_file() and launches == []
+    assert classes == {"Sequential": ["<model>"], "Linear": ["0"], "ReLU": ["1"]}
+    assert not torch.nn.modules.module._global_forward_pre_hooks and not torch.nn.modules.module._global_forward_hooks
+
+
+def test_trainer_kernels_must_be_the_engines():
+    engine = VK.KernelInventory.from_launches(
+        [VK.Launch("matmul_kernel_persistent", "", "m", "Linear", "prefill"),
+         VK.Launch("_rms_norm_kernel", "", "n", "RMSNorm", "prefill")], model="e", settings={})
+    same = VK.KernelInventory.from_launches([VK.Launch("matmul_kernel_persistent", "", "m", "Linear", "train-forward")],
+                                            model="t", settings={})
+    other = VK.KernelInventory.from_launches(
+        [VK.Launch("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT", "aten::mm", "m", "Linear", "train-forward"),
+         VK.Launch("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>", "aten::add", "", "",
+                   "train-forward")], model="t", settings={})
+    assert VK.engine_kernels_missing(same, engine) == []
+    assert VK.engine_kernels_missing(other, engine) == ["nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT"]
