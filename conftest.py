@@ -72,6 +72,12 @@ def _check_proxy_fits(model_name, size, impl, copies: int = 2) -> None:
                     f"{have / 2**30:.1f} GiB {where} (use --proxy tiny on the CPU lane)")
 
 
+def skip_not_available(exc: NotImplementedError, what: str):
+    """An implementation's NotImplementedError is a declared "n/a" skip, with its own reason."""
+    msg = str(exc)
+    pytest.skip(msg if msg.startswith("n/a") else f"n/a ({what}): {msg}")
+
+
 @pytest.fixture(scope="session")
 def trainer(impl, proxy):
     """A Trainer holding the proxy (fixtures.contract.Trainer): logprobs(sequences, layout=,
@@ -80,8 +86,7 @@ def trainer(impl, proxy):
     try:
         t = impl.make_trainer(proxy.path)
     except NotImplementedError as exc:
-        msg = str(exc)
-        pytest.skip(msg if msg.startswith("n/a") else f"n/a (no trainer): {msg}")
+        skip_not_available(exc, "no trainer")
     yield t
     t.close()
 
@@ -96,8 +101,7 @@ def engine_factory(impl, proxy):
         try:
             return impl.make_engine(proxy.path, settings)
         except NotImplementedError as exc:
-            msg = str(exc)
-            pytest.skip(msg if msg.startswith("n/a") else f"n/a (no engine): {msg}")
+            skip_not_available(exc, "no engine")
     return make
 
 
@@ -148,7 +152,7 @@ def engine_kernel_inventory(engine_factory, proxy, model_name, artifact_dir):
         try:
             inv = take(inventory_workload(proxy.config.vocab_size), model=model_id(model_name))
         except NotImplementedError as exc:
-            pytest.skip(str(exc) if str(exc).startswith("n/a") else f"n/a: {exc}")
+            skip_not_available(exc, "no kernel inventory")
     name = f"engine-kernels-{model_id(model_name)}"
     (artifact_dir / f"{name}.json").write_text(json.dumps(inv.as_dict(), indent=1, sort_keys=True))
     (artifact_dir / f"{name}.md").write_text(inv.markdown())
