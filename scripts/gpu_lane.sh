@@ -23,11 +23,16 @@
 #   c7-engine-kernels  C6, C7 and C9 with the trainer on vLLM's own forward kernels (fixtures.vllm_trainer)
 #                  and weights pushed through vLLM's reload path, qwen3 shallow: the headline
 #                  train-inference parity check (not yet run on a GPU); c7-engine-kernels-moe: qwen3_moe
+#   c7-transformers-backend  C7 with vLLM's Transformers backend (model_impl="transformers") engines
+#                  against the same trainer: where the two implementations part, module by module
+#   c7-full-dummy-qwen3  C7 at full depth with the engine-kernel trainer (weights files: the trainer
+#                  needs them, so this is a files proxy despite the name's family)
 #   tp2-qwen3      C3 + C4 with every engine at tensor parallel 2 (the 2-GPU kind; not yet run)
 #   hybrid         C3 on nemotron_h shallow: vLLM refuses batch invariance for Mamba layers (red,
 #                  with vLLM's reason); the stock-engine control shows what users get instead
 #   upto-qwen3     the verdict run: --upto C5 (C0..C2 on the trainer first), qwen3 shallow, -x
-#                  (LANE_XDIST=N runs it on N pytest-xdist workers sharing the GPU)
+#                  (LANE_XDIST=N runs it on N pytest-xdist workers sharing the GPU; with
+#                  LANE_GPU_PER_WORKER=1 worker gwN gets GPU N instead)
 #   upto-moe       the same for qwen3_moe shallow
 #   controls       only the negative controls (VLLM_BATCH_INVARIANT=0 engines must differ)
 #   full-qwen3     full depth (36 layers; the 16 GB bf16 proxy is built on the CPU first, estimated
@@ -131,6 +136,7 @@ export CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_SHALLOW
 model_of() { case $1 in *-moe) echo qwen3_moe ;; *) echo qwen3 ;; esac; }
 XDIST=()
 [[ -n "${LANE_XDIST:-}" ]] && XDIST=(-n "$LANE_XDIST")
+[[ -n "${LANE_XDIST:-}" && -n "${LANE_GPU_PER_WORKER:-}" ]] && XDIST+=(--gpu-per-worker)
 for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
   model=$(model_of "$stage")
   case $stage in
@@ -154,6 +160,12 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
     c7-engine-kernels|c7-engine-kernels-moe)
       run_stage "$stage" --impl fixtures.vllm_engine:engine_kernel_trainer --proxy shallow --model="$model" \
         -m "C6 or C7 or C9" --durations=10 --report="$OUT/report-$stage" ;;
+    c7-transformers-backend)
+      run_stage "$stage" --impl fixtures.vllm_engine:transformers_backend --proxy shallow --model=qwen3 \
+        -m C7 --durations=10 --report="$OUT/report-$stage" ;;
+    c7-full-dummy-qwen3)
+      CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_FULL run_stage "$stage" --impl fixtures.vllm_engine:engine_kernel_trainer \
+        --proxy full --model=qwen3 -m C7 --durations=10 --report="$OUT/report-$stage" ;;
     tp2-qwen3)
       run_stage tp2-qwen3 --impl fixtures.vllm_engine:tensor_parallel_2 --proxy shallow --model=qwen3 \
         -m "C3 or C4" --durations=10 --report="$OUT/report-tp2-qwen3" ;;
@@ -174,7 +186,7 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
         "${XDIST[@]}" ;;
     *)
       echo "unknown stage $stage (smoke kernels-qwen3 kernels-moe c3c4-qwen3 c5-qwen3 engines-qwen3 c3c4-moe" \
-           "c5-moe engines-moe upto-qwen3 upto-moe c7-engine-kernels c7-engine-kernels-moe tp2-qwen3 hybrid controls full-qwen3" \
+           "c5-moe engines-moe upto-qwen3 upto-moe c7-engine-kernels c7-engine-kernels-moe c7-transformers-backend c7-full-dummy-qwen3 tp2-qwen3 hybrid controls full-qwen3" \
            "full-dummy-qwen3 full-dummy-moe)" >&2
       exit 2 ;;
   esac

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+import torch
+
 from fixtures.comparison import BitwiseMismatch
 from fixtures.contract import Layout, supported_layouts
+from fixtures.module_outputs import compare_module_outputs
 from fixtures.rollouts import assert_parity, collect, rollout_requests
 
 pytestmark = pytest.mark.C7
@@ -37,6 +40,52 @@ def test_greedy_and_low_temperature_rollouts(engine, trainer, proxy, record_metr
         rs = collect(engine.generate(rollout_requests(proxy.config.vocab_size, 3, seed=2, n=1,
                                                       temperature=temperature)))
         assert_parity(engine, trainer, rs, record=record_metric if temperature else None)
+
+
+def _module_probe(proxy) -> list[int]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, proxy.config.vocab_size, (37,), generator=g).tolist()
+
+
+def _module_recorders(engine, trainer):
+    if not (hasattr(engine, "module_outputs") and hasattr(trainer, "module_outputs")):
+        pytest.skip("n/a: module-by-module parity needs an engine and a trainer that record their module outputs "
+                    "under one naming (vLLM + the engine-kernel trainer)")
+
+
+def test_every_module_output_equals_engine(engine, trainer, proxy, record_metric):
+    """One prefill, every module output: the engine's (forward hooks in its worker) vs the
+    trainer's at the same point. Equal final logprobs with a differing intermediate would be luck;
+    a differing point is named, with everything upstream of it equal."""
+    _module_recorders(engine, trainer)
+    seq = _module_probe(proxy)
+    result = compare_module_outputs(engine.module_outputs(seq),
+                                    trainer.module_outputs(seq, naming=getattr(engine, "module_naming", "vllm")))
+    record_metric("module_points_compared", len(result.compared))
+    record_metric("module_points_differing", len(result.differing_points))
+    assert result.compared, result.describe()
+    assert result.equal, "engine vs trainer module outputs (bitwise):\n" + result.describe()
+
+
+def test_control_planted_ulp_is_named(trainer, proxy):
+    """Negative control for the comparison above: the trainer against itself with one op's
+    output moved by one ULP must name exactly that op's module, with everything upstream equal."""
+    if not hasattr(trainer, "module_outputs") or not hasattr(trainer, "ops"):
+        pytest.skip("n/a: the trainer records no module outputs")
+    from fixtures.vllm_trainer import PlantedULP
+    seq = _module_probe(proxy)
+    clean = trainer.module_outputs(seq)
+    ops = trainer.ops
+    trainer.ops = PlantedULP(ops, op="silu_and_mul", call=0) if "model.layers.0.mlp.act_fn" in clean \
+        else PlantedULP(ops, op="linear", call=1)
+    try:
+        planted = trainer.module_outputs(seq)
+    finally:
+        trainer.ops = ops
+    result = compare_module_outputs(list(clean.items()), planted, names=("trainer", "planted trainer"))
+    expected = "model.layers.0.mlp.act_fn" if "model.layers.0.mlp.act_fn" in clean else "model.layers.0.self_attn.o_proj"
+    assert result.first == expected, result.describe()
+    assert "1 of" in result.detail and "1 ULP apart" in result.detail, result.detail
 
 
 def test_control_stock_trainer_breaks_parity(engine, proxy, rollouts):

@@ -627,3 +627,35 @@ def test_tensor_parallel_is_a_setting_vllm_must_honour():
     eff = ve.effective_settings(EngineSettings(), tp2)
     assert any("tensor_parallel_size" in m for m in ve.resolution_mismatches(eff, _info(tensor_parallel_size=1)))
     assert ve.tensor_parallel_2().defaults.tensor_parallel_size == 2
+
+
+def test_module_outputs_through_the_worker_protocol(model_dir, tmp_path):
+    """module_outputs records in the worker and comes back as (name, [tokens, -1]) in call order
+    (fake backend: two canned points); the file is not left behind; n/a at TP>1, refused when
+    graphs or compilation would bypass the hooks."""
+    from dataclasses import replace
+    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
+        got = eng.module_outputs([3, 1, 4, 1, 5])
+    assert [k for k, _ in got] == ["model.embed_tokens", "model.norm"]
+    assert got[1][1].flatten().tolist() == [6.0, 2.0, 8.0, 2.0, 10.0]
+    assert not list(tmp_path.glob("*.modules.safetensors"))
+    with ve.VLLMEngine(model_dir, EngineSettings(cuda_graphs=True), fake="echo", log_dir=tmp_path) as eng:
+        with pytest.raises(ValueError, match="needs an eager engine"):
+            eng.module_outputs([1, 2])
+    tp2 = replace(ve.EAGER_DEFAULTS, tensor_parallel_size=2)
+    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path, defaults=tp2) as eng:
+        with pytest.raises(NotImplementedError, match="^n/a: module outputs"):
+            eng.module_outputs([1, 2])
+
+
+def test_transformers_backend_is_a_setting_vllm_must_honour():
+    """model_impl reaches vLLM's kwargs only when asked; a worker that loaded a native class
+    instead is refused; that engine's module points are transformers-named."""
+    tb = ve.transformers_backend()
+    assert tb.defaults.model_impl == "transformers" and tb.trainer_kind == "engine-kernels"
+    assert ve.llm_kwargs("/m", EngineSettings(), tb.defaults)["model_impl"] == "transformers"
+    assert "model_impl" not in ve.llm_kwargs("/m", EngineSettings())
+    eff = ve.effective_settings(EngineSettings(), tb.defaults)
+    assert any("model_impl" in m for m in ve.resolution_mismatches(eff, _info(model_class="Qwen3ForCausalLM")))
+    assert not any("model_impl" in m for m in
+                   ve.resolution_mismatches(eff, _info(model_class="TransformersForCausalLM")))
