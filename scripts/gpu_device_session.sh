@@ -6,7 +6,9 @@
 # Installs the offline vLLM bundle first when /tmp/site lacks it (the parts already copied to
 # /tmp/b by earlier calls, or lying in gpu_bundles/), then runs scripts/gpu_lane.sh once per
 # "GPU=stages" argument with CUDA_VISIBLE_DEVICES set to that GPU (an argument "0,1=tp2-qwen3"
-# gives a lane two GPUs), each writing $OUT/gpu<ids>/{gpu-lane.tgz,lane-summary.txt}.
+# gives a lane two GPUs; "1b=..." a second lane on GPU 1 - the letter only names it), each writing
+# $OUT/gpu<tag>/{gpu-lane.tgz,lane-summary.txt}. A VAR=VALUE among the stages sets that lane's
+# environment, e.g. "1b=CONFORMANCE_VLLM_ATTENTION_BACKEND=TRITON_ATTN kernels-qwen3".
 # LANE_BUDGET_S (default 540) is each lane's budget.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -20,10 +22,15 @@ if ! PYTHONPATH=/tmp/site python -c "import vllm" 2>/dev/null; then
 fi
 pids=()
 for spec in "$@"; do
-  gpus=${spec%%=*}; stages=${spec#*=}
-  tag=gpu${gpus//,/-}
+  tag=${spec%%=*}; stages=${spec#*=}
+  gpus=${tag//[a-z]/}
+  tag=gpu${tag//,/-}
   echo "== lane $tag: $stages"
-  ( CUDA_VISIBLE_DEVICES=$gpus OUT="$OUT/$tag" RESULTS="/tmp/lane-$tag" bash scripts/gpu_lane.sh $stages \
+  ( names=()
+    for tok in $stages; do
+      if [[ $tok == *=* ]]; then export "$tok"; else names+=("$tok"); fi    # VAR=VALUE: this lane's environment
+    done
+    CUDA_VISIBLE_DEVICES=$gpus OUT="$OUT/$tag" RESULTS="/tmp/lane-$tag" bash scripts/gpu_lane.sh "${names[@]}" \
       > "/tmp/lane-$tag.console" 2>&1 ) &
   pids+=($!)
 done

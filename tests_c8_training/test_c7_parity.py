@@ -27,6 +27,16 @@ def test_same_tensor_parallel_degree(engine, trainer):
     assert e == t, f"engine TP={e} vs trainer TP={t}: parity needs the same tensor-parallel degree"
 
 
+def test_trainer_reads_logprobs_as_the_engine_samples(engine, trainer):
+    """vLLM 0.26's two model runners report a logprob through different kernels (V2: a Triton
+    top-k log-softmax; V1: log_softmax in float32): a trainer copying the engine's arithmetic must
+    copy the one this engine runs."""
+    theirs, mine = getattr(engine, "model_runner", None), getattr(getattr(trainer, "ops", None), "sampler", None)
+    if theirs is None or mine is None:
+        pytest.skip("n/a: the engine or the trainer names no sampler")
+    assert mine == theirs, f"trainer computes logprobs like vLLM's {mine} runner; the engine runs {theirs}"
+
+
 @pytest.mark.parametrize("layout", list(Layout), ids=lambda l: l.value)
 def test_trainer_equals_engine(engine, trainer, rollouts, layout, record_metric):
     if layout not in supported_layouts(trainer):

@@ -598,8 +598,15 @@ def test_canonical_weights_split_merged_projections():
     assert torch.equal(out["model.layers.0.mlp.up_proj.weight"], u)
     with pytest.raises(ValueError, match="cannot split"):
         list(ve.canonical_weights(params, {"model.layers.0.self_attn.qkv_proj": [8, 4]}))
+    w13, w2 = torch.arange(2 * 6 * 4.0).reshape(2, 6, 4), torch.arange(2 * 4 * 3.0).reshape(2, 4, 3)
+    moe = dict(ve.canonical_weights([("model.layers.0.mlp.experts.w13_weight", w13),
+                                     ("model.layers.0.mlp.experts.w2_weight", w2)], {}))
+    assert sorted(moe) == sorted(f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in (0, 1)
+                                 for p in ("gate_proj", "up_proj", "down_proj"))
+    assert torch.equal(moe["model.layers.0.mlp.experts.1.up_proj.weight"], w13[1, 3:])
+    assert torch.equal(moe["model.layers.0.mlp.experts.0.down_proj.weight"], w2[0])
     with pytest.raises(NotImplementedError, match="^n/a: canonical checkpoint names of vLLM's fused MoE"):
-        list(ve.canonical_weights([("model.layers.0.mlp.experts.w13_weight", torch.zeros(2, 4, 4))], {}))
+        list(ve.canonical_weights([("model.layers.0.mlp.experts.w13_weight_scale", torch.zeros(2, 4))], {}))
 
 
 def test_weight_push_through_the_worker_protocol(model_dir, tmp_path):

@@ -99,3 +99,14 @@ def test_packed_only(proxy_dir):
     with pytest.raises(NotImplementedError, match="n/a"):
         trainer.logprobs(SEQS, layout=Layout.PADDED)
     assert isinstance(trainer, HFTrainer)     # optimizer, export and hashes are transformers'
+
+
+def test_engine_model_runner_follows_vllm_rules(monkeypatch):
+    """V2 for dense models, V1 for Qwen3-MoE and hybrids (vLLM 0.26, config/vllm.py:550);
+    VLLM_USE_V2_MODEL_RUNNER overrides."""
+    from fixtures.proxies import source_config
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    got = {m: VT.engine_model_runner(source_config(m)) for m in ("qwen3", "llama", "qwen3_moe", "nemotron_h", "mamba2")}
+    assert got == {"qwen3": "v2", "llama": "v2", "qwen3_moe": "v1", "nemotron_h": "v1", "mamba2": "v1"}
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert VT.engine_model_runner(source_config("qwen3_moe")) == "v2"
