@@ -22,12 +22,12 @@
 #   kernels-moe    the same for qwen3_moe shallow (adds fused MoE and the router)
 #   c7-engine-kernels  C6, C7 and C9 with the trainer on vLLM's own forward kernels (fixtures.vllm_trainer)
 #                  and weights pushed through vLLM's reload path, qwen3 shallow: the headline
-#                  train-inference parity check (not yet run on a GPU); c7-engine-kernels-moe: qwen3_moe
+#                  train-inference parity check (213 s; C7 and C9 exactly 0 on the H200); c7-engine-kernels-moe: qwen3_moe
 #   c7-transformers-backend  C7 with vLLM's Transformers backend (model_impl="transformers") engines
 #                  against the same trainer: where the two implementations part, module by module
 #   c7-full-dummy-qwen3  C7 at full depth with the engine-kernel trainer (weights files: the trainer
 #                  needs them, so this is a files proxy despite the name's family)
-#   tp2-qwen3      C3 + C4 with every engine at tensor parallel 2 (the 2-GPU kind; not yet run)
+#   tp2-qwen3      C3 + C4 with every engine at tensor parallel 2 (the 2-GPU kind; 293 s, all pass)
 #   hybrid         C3 on nemotron_h shallow: vLLM refuses batch invariance for Mamba layers (red,
 #                  with vLLM's reason); the stock-engine control shows what users get instead
 #   upto-qwen3     the verdict run: --upto C5 (C0..C2 on the trainer first), qwen3 shallow, -x
@@ -39,7 +39,8 @@
 #                  1-2 min): needle, decode=prefill and same-batch checks plus their controls
 #   full-dummy-qwen3, full-dummy-moe   the same at full depth with --proxy-weights engine-dummy:
 #                  config only, vLLM draws its own seeded weights (load_format=dummy), so a full
-#                  Qwen3-30B-A3B (61 GB in bf16) needs no weight files on the 64 GB disk (not yet run)
+#                  Qwen3-30B-A3B (61 GB in bf16) needs no weight files on the 64 GB disk (qwen3: 140 s;
+#                  moe: its first engine start outlasted 290 s)
 #
 # Knobs (environment): OUT (where gpu-lane.tgz and lane-summary.txt go; the device call's $OUT),
 # RESULTS (the working folder packed into it; default /tmp/gpu-lane-<time>), SITE (/tmp/site), LANE_BUDGET_S

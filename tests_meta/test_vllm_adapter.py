@@ -599,7 +599,7 @@ def test_canonical_weights_split_merged_projections():
     with pytest.raises(ValueError, match="cannot split"):
         list(ve.canonical_weights(params, {"model.layers.0.self_attn.qkv_proj": [8, 4]}))
     w13, w2 = torch.arange(2 * 6 * 4.0).reshape(2, 6, 4), torch.arange(2 * 4 * 3.0).reshape(2, 4, 3)
-    moe = dict(ve.canonical_weights([("model.layers.0.mlp.experts.w13_weight", w13),
+    moe = dict(ve.canonical_weights([("model.layers.0.mlp.experts.routed_experts.w13_weight", w13),
                                      ("model.layers.0.mlp.experts.w2_weight", w2)], {}))
     assert sorted(moe) == sorted(f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in (0, 1)
                                  for p in ("gate_proj", "up_proj", "down_proj"))

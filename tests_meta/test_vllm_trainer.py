@@ -110,3 +110,26 @@ def test_engine_model_runner_follows_vllm_rules(monkeypatch):
     assert got == {"qwen3": "v2", "llama": "v2", "qwen3_moe": "v1", "nemotron_h": "v1", "mamba2": "v1"}
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert VT.engine_model_runner(source_config("qwen3_moe")) == "v2"
+
+
+def test_hf_rotary_is_transformers_rotary_bit_for_bit(proxy_dir):
+    """The transformers-backend trainer's rotary (fixtures.vllm_trainer.hf_rotary) equals
+    transformers' own rotary_emb + apply_rotary_pos_emb in bf16, bit for bit (CPU, torch.bmm)."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+    cfg = AutoConfig.from_pretrained(proxy_dir)
+    if cfg.model_type != "qwen3":
+        pytest.skip("one architecture is enough")
+    hd, T = cfg.head_dim, 11
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(T, cfg.num_attention_heads * hd, generator=g).to(torch.bfloat16)
+    k = torch.randn(T, cfg.num_key_value_heads * hd, generator=g).to(torch.bfloat16)
+    pos = torch.arange(T) * 37
+    rope = mq.Qwen3RotaryEmbedding(cfg)
+    cos, sin = rope(q[None], pos[None])
+    ref_q, ref_k = mq.apply_rotary_pos_emb(q.view(1, T, -1, hd).transpose(1, 2), k.view(1, T, -1, hd).transpose(1, 2),
+                                           cos, sin)
+    mq_, mk_, mcos, msin = VT.hf_rotary(pos, q, k, hd, VT._rope_theta(cfg))
+    assert torch.equal(mcos, cos[0]) and torch.equal(msin, sin[0])
+    assert torch.equal(mq_, ref_q.transpose(1, 2).reshape(T, -1))
+    assert torch.equal(mk_, ref_k.transpose(1, 2).reshape(T, -1))
