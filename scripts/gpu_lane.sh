@@ -13,6 +13,7 @@
 #                  real engine on small dense (V2 model runner) and MoE (V1 runner) models: chunking,
 #                  preemption, graphs, prefix-cache hits are seen to engage. 10 engines; 385 s
 #   c3c4-qwen3     gates C3 + C4, qwen3 shallow (real widths, 2 layers), with their controls. ~220 s
+#                  (LANE_XDIST / LANE_GPU_PER_WORKER as for upto-qwen3)
 #   c5-qwen3       gate C5, qwen3 shallow (11 engine configurations, one compiled). ~300 s
 #   engines-qwen3  C3-C5 in one run. 522 s for 25 of its 26 checks: does not fit with anything else
 #   c3c4-moe, c5-moe, engines-moe   the same for qwen3_moe shallow (vLLM's V1 model runner)
@@ -28,8 +29,12 @@
 #   c7-full-dummy-qwen3  C7 at full depth with the engine-kernel trainer (weights files: the trainer
 #                  needs them, so this is a files proxy despite the name's family)
 #   tp2-qwen3      C3 + C4 with every engine at tensor parallel 2 (the 2-GPU kind; 293 s, all pass)
+#   c7-tp2-qwen3   C7 with TP=2 engines against the engine-kernel trainer computing as vLLM's two ranks
+#                  do (per-rank heads and MLP slices, row-parallel partials summed) on the first GPU
 #   hybrid         C3 on nemotron_h shallow: vLLM refuses batch invariance for Mamba layers (red,
 #                  with vLLM's reason); the stock-engine control shows what users get instead
+#   hybrid-full-dummy  the same at full depth (52 layers of the Nemotron-3-Nano-30B-A3B-like recipe,
+#                  engine-dummy weights): the refusal, and the stock engine's needle control
 #   upto-qwen3     the verdict run: --upto C5 (C0..C2 on the trainer first), qwen3 shallow, -x
 #                  (LANE_XDIST=N runs it on N pytest-xdist workers sharing the GPU; with
 #                  LANE_GPU_PER_WORKER=1 worker gwN gets GPU N instead)
@@ -145,7 +150,7 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
       run_stage smoke tests_meta/test_vllm_adapter.py --impl vllm --durations=15 ;;
     c3c4-qwen3|c3c4-moe)
       run_stage "$stage" --impl vllm --proxy shallow --model="$model" -m "C3 or C4" --durations=15 \
-        --report="$OUT/report-$stage" ;;
+        --report="$OUT/report-$stage" "${XDIST[@]}" ;;
     c5-qwen3|c5-moe)
       run_stage "$stage" --impl vllm --proxy shallow --model="$model" -m C5 --durations=15 --report="$OUT/report-$stage" ;;
     engines-qwen3|engines-moe)
@@ -167,12 +172,18 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
     c7-full-dummy-qwen3)
       CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_FULL run_stage "$stage" --impl fixtures.vllm_engine:engine_kernel_trainer \
         --proxy full --model=qwen3 -m C7 --durations=10 --report="$OUT/report-$stage" ;;
+    c7-tp2-qwen3)
+      run_stage "$stage" --impl fixtures.vllm_engine:tensor_parallel_2_engine_kernels --proxy shallow --model=qwen3 \
+        -m C7 --durations=10 --report="$OUT/report-$stage" ;;
     tp2-qwen3)
       run_stage tp2-qwen3 --impl fixtures.vllm_engine:tensor_parallel_2 --proxy shallow --model=qwen3 \
         -m "C3 or C4" --durations=10 --report="$OUT/report-tp2-qwen3" ;;
     hybrid)
       run_stage hybrid --impl vllm --proxy shallow --model=nemotron_h -m C3 --durations=10 \
         --report="$OUT/report-hybrid" ;;
+    hybrid-full-dummy)
+      CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_FULL run_stage "$stage" --impl vllm --proxy full --proxy-weights engine-dummy \
+        --model=nemotron_h -m C3 -k "needle_alone_equals or control_stock" --durations=10 --report="$OUT/report-$stage" ;;
     controls)
       run_stage controls --impl vllm --proxy shallow --model=qwen3 "${ENGINE_GATES[@]}" -k "control" \
         --report="$OUT/report-controls-qwen3" ;;
@@ -187,7 +198,8 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
         "${XDIST[@]}" ;;
     *)
       echo "unknown stage $stage (smoke kernels-qwen3 kernels-moe c3c4-qwen3 c5-qwen3 engines-qwen3 c3c4-moe" \
-           "c5-moe engines-moe upto-qwen3 upto-moe c7-engine-kernels c7-engine-kernels-moe c7-transformers-backend c7-full-dummy-qwen3 tp2-qwen3 hybrid controls full-qwen3" \
+           "c5-moe engines-moe upto-qwen3 upto-moe c7-engine-kernels c7-engine-kernels-moe c7-transformers-backend c7-full-dummy-qwen3 c7-tp2-qwen3 tp2-qwen3 hybrid" \
+           "hybrid-full-dummy controls full-qwen3" \
            "full-dummy-qwen3 full-dummy-moe)" >&2
       exit 2 ;;
   esac

@@ -1,7 +1,8 @@
 """Gate C7 - Train-inference parity: for engine rollouts (temperature 1, several samples per
 prompt, different lengths), the trainer's logprobs of the sampled tokens equal the engine's
 sampled-token logprobs and the engine's prompt logprobs of the full sequence; k1, k3, max abs
-diff and mismatch fraction are all exactly 0. Trainer and engine use the same TP degree."""
+diff and mismatch fraction are all exactly 0. Trainer and engine use the same TP degree, and a
+trainer that can compute at another one must be seen to differ there."""
 from __future__ import annotations
 
 import pytest
@@ -22,9 +23,28 @@ def rollouts(engine, proxy):
 
 
 def test_same_tensor_parallel_degree(engine, trainer):
-    """A different TP degree splits reductions differently and can never match."""
+    """A different TP degree splits reductions differently and can never match (the control
+    below shows it does not)."""
     e, t = getattr(engine, "tensor_parallel_size", 1), getattr(trainer, "tensor_parallel_size", 1)
     assert e == t, f"engine TP={e} vs trainer TP={t}: parity needs the same tensor-parallel degree"
+
+
+def test_control_other_tensor_parallel_degree_breaks_parity(engine, trainer, rollouts):
+    """Negative control for the TP claim, both ways: the same trainer computing as vLLM at another
+    TP degree (TP=2 against a TP=1 engine, TP=1 against a TP>1 one) must report a difference -
+    else the trainer's TP arithmetic is not what decides parity."""
+    if not hasattr(trainer, "at_tensor_parallel"):
+        pytest.skip("n/a: the trainer cannot compute at another tensor-parallel degree")
+    e = getattr(engine, "tensor_parallel_size", 1)
+    other = 1 if e > 1 else 2
+    try:
+        with trainer.at_tensor_parallel(other):
+            assert_parity(engine, trainer, rollouts)
+    except NotImplementedError as exc:
+        pytest.skip(str(exc))
+    except (BitwiseMismatch, AssertionError):
+        return
+    pytest.skip(f"inconclusive: the trainer at TP={other} arithmetic matched the TP={e} engine bit for bit")
 
 
 def test_trainer_reads_logprobs_as_the_engine_samples(engine, trainer):
@@ -69,8 +89,11 @@ def test_every_module_output_equals_engine(engine, trainer, proxy, record_metric
     a differing point is named, with everything upstream of it equal."""
     _module_recorders(engine, trainer)
     seq = _module_probe(proxy)
-    result = compare_module_outputs(engine.module_outputs(seq),
-                                    trainer.module_outputs(seq, naming=getattr(engine, "module_naming", "vllm")))
+    try:
+        theirs = engine.module_outputs(seq)
+    except NotImplementedError as exc:          # e.g. TP > 1: the modules live in vLLM's worker processes
+        pytest.skip(str(exc))
+    result = compare_module_outputs(theirs, trainer.module_outputs(seq, naming=getattr(engine, "module_naming", "vllm")))
     record_metric("module_points_compared", len(result.compared))
     record_metric("module_points_differing", len(result.differing_points))
     assert result.compared, result.describe()
@@ -82,16 +105,19 @@ def test_control_planted_ulp_is_named(trainer, proxy):
     output moved by one ULP must name exactly that op's module, with everything upstream equal."""
     if not hasattr(trainer, "module_outputs") or not hasattr(trainer, "ops"):
         pytest.skip("n/a: the trainer records no module outputs")
+    import contextlib
     from fixtures.vllm_trainer import PlantedULP
     seq = _module_probe(proxy)
-    clean = trainer.module_outputs(seq)
-    ops = trainer.ops
-    trainer.ops = PlantedULP(ops, op="silu_and_mul", call=0) if "model.layers.0.mlp.act_fn" in clean \
-        else PlantedULP(ops, op="linear", call=1)
-    try:
-        planted = trainer.module_outputs(seq)
-    finally:
-        trainer.ops = ops
+    whole = trainer.at_tensor_parallel(1) if hasattr(trainer, "at_tensor_parallel") else contextlib.nullcontext()
+    with whole:                 # every point recorded whole (a TP>1 trainer records only the all-reduced ones)
+        clean = trainer.module_outputs(seq)
+        ops = trainer.ops
+        trainer.ops = PlantedULP(ops, op="silu_and_mul", call=0) if "model.layers.0.mlp.act_fn" in clean \
+            else PlantedULP(ops, op="linear", call=1)
+        try:
+            planted = trainer.module_outputs(seq)
+        finally:
+            trainer.ops = ops
     result = compare_module_outputs(list(clean.items()), planted, names=("trainer", "planted trainer"))
     expected = "model.layers.0.mlp.act_fn" if "model.layers.0.mlp.act_fn" in clean else "model.layers.0.self_attn.o_proj"
     assert result.first == expected, result.describe()

@@ -153,3 +153,68 @@ def test_hf_naming_keeps_only_points_with_a_transformers_twin(qwen3_dir):
     assert MO.compare_module_outputs(wrapped, hf).equal
     with pytest.raises(ValueError, match="naming"):
         trainer.module_outputs(SEQ, naming="jax")
+
+
+# ---------------------------------------------------------------------------------------------
+# one request's rows inside a batch (C3's engine-side localisation for vLLM)
+# ---------------------------------------------------------------------------------------------
+def test_prompt_rows_are_located_in_a_flattened_step():
+    prompt = torch.tensor([7, 3, 9, 9, 4])
+    ids = torch.tensor([1, 2, 3, 7, 3, 9, 9, 4, 8, 8])          # another request (pos 0-2), the prompt, another
+    pos = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 0, 1])
+    rows, where = MO.locate_prompt_rows(ids, pos, prompt)
+    assert rows.tolist() == [3, 4, 5, 6, 7] and where.tolist() == [0, 1, 2, 3, 4]
+    rows, where = MO.locate_prompt_rows(torch.tensor([5, 9, 4]), torch.tensor([9, 3, 4]), prompt)   # a later chunk
+    assert rows.tolist() == [1, 2] and where.tolist() == [3, 4]
+    rows, _ = MO.locate_prompt_rows(torch.tensor([5, 6]), torch.tensor([12, 40]), prompt)         # decode only
+    assert rows.numel() == 0
+    rows, _ = MO.locate_prompt_rows(torch.tensor([7, 0, 7, 3, 9]), torch.tensor([0, 5, 0, 1, 2]), prompt)
+    assert rows.tolist() == [2, 3, 4]                            # a chance single-token hit loses to the run
+    with pytest.raises(ValueError, match="appear 2 times"):
+        MO.locate_prompt_rows(torch.tensor([7, 3, 7, 3]), torch.tensor([0, 1, 0, 1]), prompt)
+
+
+class _Step(torch.nn.Module):
+    """An engine model's shape: forward(input_ids, positions) over one flattened step; with
+    `variant`, a step-size dependent term enters just before `norm` (a planted batch-variant op)."""
+    def __init__(self, variant=False):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(50, 4)
+        self.mix = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.variant = variant
+
+    def forward(self, input_ids, positions):
+        h = self.mix(self.embed_tokens(input_ids) + positions[:, None].float())
+        if self.variant:
+            h = h + input_ids.shape[0] * 1e-3
+        return self.norm(h)
+
+
+@pytest.mark.parametrize("variant", [False, True])
+def test_request_rows_alone_vs_in_a_batch(variant):
+    """Rows of one prompt recorded alone and inside a batch (split over two steps, as a chunked
+    prefill would): equal for a row-wise model; with the planted op, the first position computed
+    in a step of another size (3: the second step has 3 tokens, the lone prompt 5) at `norm`."""
+    from fixtures.localise import EngineRows
+    torch.manual_seed(0)
+    model = _Step(variant)
+    prompt = [7, 3, 9, 9, 4]
+
+    def record(steps):
+        with MO.RequestRows(model, prompt) as rec:
+            with torch.no_grad():
+                for ids, pos in steps:
+                    model(input_ids=torch.tensor(ids), positions=torch.tensor(pos))
+        rows = EngineRows("needle")
+        for (p, _order, name, cls), t in rec.items():
+            rows.add(p, name, cls, t)
+        return rows
+    alone = record([(prompt, [0, 1, 2, 3, 4])])
+    inside = record([([1, 2, 7, 3, 9], [0, 1, 0, 1, 2]), ([9, 4, 8], [3, 4, 0])])
+    assert len(alone.rows) == len(inside.rows) == 3 * len(prompt)
+    found = alone.first_divergence(inside)
+    if not variant:
+        assert found is None
+    else:
+        assert found.startswith("token 3, norm (LayerNorm)") and "ULP" in found

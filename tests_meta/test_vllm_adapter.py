@@ -666,3 +666,28 @@ def test_transformers_backend_is_a_setting_vllm_must_honour():
     assert any("model_impl" in m for m in ve.resolution_mismatches(eff, _info(model_class="Qwen3ForCausalLM")))
     assert not any("model_impl" in m for m in
                    ve.resolution_mismatches(eff, _info(model_class="TransformersForCausalLM")))
+
+
+def test_record_rows_through_the_worker_protocol(model_dir, tmp_path):
+    """C3's localisation for vLLM: the worker keeps one request's prompt rows in each recorded
+    generate(); alone vs in a batch, the first differing point is named (fake backend: its
+    'model.norm' row carries the batch size). n/a at TP>1; the engine reports its TP degree."""
+    from dataclasses import replace
+    from fixtures.localise import localise_in_engine
+    needle = Request("needle", (3, 1, 4), SamplingParams(max_tokens=2))
+    batch = [Request("a", (9, 9), SamplingParams(max_tokens=2)), needle]
+    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
+        with eng.record_rows("needle") as rows:
+            eng.generate([needle])
+        assert sorted(rows.rows) == sorted((p, m) for p in range(3) for m in ("model.embed_tokens", "model.norm"))
+        text = localise_in_engine(eng, needle, batch, 1)
+        assert text.startswith("token 0, model.norm (RMSNorm): 1 of 1 output elements differ") and "ULP" in text
+        assert eng.tensor_parallel_size == 1
+        assert "equal" in localise_in_engine(eng, needle, [needle], 0)
+    assert not list(tmp_path.glob("*.rows.safetensors"))
+    tp2 = replace(ve.EAGER_DEFAULTS, tensor_parallel_size=2)
+    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path, defaults=tp2) as eng:
+        assert eng.tensor_parallel_size == 2
+        with pytest.raises(NotImplementedError, match="^n/a: rows are recorded"):
+            with eng.record_rows("needle"):
+                pass

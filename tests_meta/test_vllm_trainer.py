@@ -133,3 +133,72 @@ def test_hf_rotary_is_transformers_rotary_bit_for_bit(proxy_dir):
     assert torch.equal(mcos, cos[0]) and torch.equal(msin, sin[0])
     assert torch.equal(mq_, ref_q.transpose(1, 2).reshape(T, -1))
     assert torch.equal(mk_, ref_k.transpose(1, 2).reshape(T, -1))
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's tensor-parallel arithmetic on one device
+# ---------------------------------------------------------------------------------------------
+def test_all_reduce_rounds_the_exact_sum_once():
+    """The all-reduce of two bf16 partials is their exact sum rounded once (what NCCL's bf16 sum
+    gives for two ranks): the float32 sum rounded to bf16 never double-rounds away from it."""
+    g = torch.Generator().manual_seed(0)
+    for scale in (1.0, 1e-3, 1e3):
+        a = (torch.randn(4096, generator=g) * scale).to(torch.bfloat16)
+        b = (torch.randn(4096, generator=g) * torch.logspace(-6, 2, 4096)).to(torch.bfloat16)
+        exact = (a.double() + b.double()).to(torch.bfloat16)
+        assert torch.equal(VT.ref_all_reduce(a, b), exact)
+        assert torch.equal(VT.ref_all_reduce(a, b), VT.ref_all_reduce(b, a))
+
+
+def test_tensor_parallel_forward_and_backward_are_the_same_model(proxy_dir):
+    """TP=2 arithmetic (per-rank heads and MLP / expert slices, row-parallel partials summed)
+    computes the TP=1 model: equal within float32 rounding, forward and gradient."""
+    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    model = trainer.model
+    weights = [torch.linspace(-1, 1, len(s) - 1) for s in SEQS]
+
+    def run(tp):
+        model.zero_grad(set_to_none=True)
+        with trainer.at_tensor_parallel(tp):
+            lps = trainer.logprobs_with_grad(SEQS, layout=Layout.PACKED)
+        sum((w * lp).sum() for w, lp in zip(weights, lps)).backward()
+        return [lp.detach() for lp in lps], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    lp1, g1 = run(1)
+    lp2, g2 = run(2)
+    assert trainer.tensor_parallel_size == 1                     # restored
+    for a, b in zip(lp1, lp2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert g1.keys() == g2.keys()
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_tensor_parallel_rounds_differently_in_bf16(proxy_dir):
+    """Why C7 needs the engine's TP degree: in bf16 the per-rank partials round before the sum,
+    so TP=2 arithmetic gives other bits than TP=1 (the C7 control relies on this)."""
+    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.bfloat16, device="cpu")
+    with torch.no_grad():
+        one = trainer.logprobs(SEQS, layout=Layout.PACKED)
+        with trainer.at_tensor_parallel(2):
+            two = trainer.logprobs(SEQS, layout=Layout.PACKED)
+    assert not all(torch.equal(a, b) for a, b in zip(one, two))
+    for a, b in zip(one, two):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+
+
+def test_tensor_parallel_records_only_whole_points(proxy_dir):
+    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu", tensor_parallel=2)
+    assert trainer.tensor_parallel_size == 2 and "TP=2" in trainer.name
+    points = trainer.module_outputs(SEQS[0])
+    assert "model.layers.0.self_attn.o_proj" in points and "logits_processor" in points
+    assert not any(k.endswith(("qkv_proj", ".self_attn.attn", "act_fn", "gate_up_proj")) for k in points)
+
+
+def test_indivisible_tensor_parallel_is_na(proxy_dir):
+    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    heads = trainer.model.config.num_attention_heads
+    with pytest.raises(NotImplementedError, match=f"^n/a: attention heads {heads}, .* not divisible by TP=3"):
+        with trainer.at_tensor_parallel(3):
+            pass
+    with pytest.raises(NotImplementedError, match="TP=3"):
+        VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu", tensor_parallel=3)
