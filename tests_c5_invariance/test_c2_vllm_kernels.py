@@ -154,3 +154,12 @@ def test_control_planted_row_split_is_caught(workers):
     does) must fail the row check in the batch-invariant worker: the check can see such a fault."""
     with pytest.raises(BitwiseMismatch):
         VK.check_rows(workers(True), "planted_split_k_from_64", THRESHOLD_SIZES)
+
+
+def test_control_planted_rare_rows_are_caught(workers):
+    """A planted kernel that re-rounds only one row in 37 from 256 rows up (what a launch switch
+    at a token count does to a norm: most rows keep their bits) must fail the row check: every
+    row is compared, not a few probes. Measured at full depth: vLLM's fused add + RMSNorm changed
+    a needle's row in a 294-token batch that three probe rows per size had not caught."""
+    with pytest.raises(BitwiseMismatch, match="rows_differing_from_alone"):
+        VK.check_rows(workers(True), "planted_rare_rows_from_256", THRESHOLD_SIZES)

@@ -189,7 +189,8 @@ def test_kernel_worker_protocol_and_row_check(tmp_path):
     """The C2 kernel worker end to end without a GPU (its fake CPU kernels): a row-wise kernel
     passes the row check at sizes across 64 and 257, the planted split-K GEMM is caught at 64
     rows with both hex values (below 64 rows the fake's stock CPU GEMM varies too: it is only the
-    protocol that is under test here), an unknown case comes back as a clear error, not a hang."""
+    protocol that is under test here), a kernel that re-rounds one row in 37 is caught although no
+    probe row is among them, an unknown case comes back as a clear error, not a hang."""
     from fixtures.comparison import BitwiseMismatch
     dims = {"hidden": 64, "intermediate": 32, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 100,
             "experts": 0, "top_k": 0, "moe_intermediate": 0}
@@ -199,6 +200,9 @@ def test_kernel_worker_protocol_and_row_check(tmp_path):
         VK.check_rows(worker, "rms_norm", [1, 7, 64, 257])
         with pytest.raises(BitwiseMismatch, match=r"(?s)row 0 of a 64-token call != row 0 alone.*0x"):
             VK.check_rows(worker, "planted_split_k_from_64", [1, 64])
+        with pytest.raises(BitwiseMismatch, match=r"(?s)row 11 of a 256-token call != row 11 alone.*"
+                                                  r"rows_differing_from_alone: 7 of 256, 7 of 257"):
+            VK.check_rows(worker, "planted_rare_rows_from_256", [1, 7, 255, 256, 257])   # no probe row is hit
         with pytest.raises(VK.KernelWorkerError, match="unknown kernel case 'nope'"):
             worker.run("nope", [1])
     finally:
