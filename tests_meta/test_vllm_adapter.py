@@ -634,6 +634,9 @@ def test_tensor_parallel_is_a_setting_vllm_must_honour():
     eff = ve.effective_settings(EngineSettings(), tp2)
     assert any("tensor_parallel_size" in m for m in ve.resolution_mismatches(eff, _info(tensor_parallel_size=1)))
     assert ve.tensor_parallel_2().defaults.tensor_parallel_size == 2
+    tp2_trainer = ve.tensor_parallel_2_engine_kernels()
+    assert tp2_trainer.defaults.tensor_parallel_size == 2 and tp2_trainer.trainer_kind == "engine-kernels"
+    assert "TP=2" in tp2_trainer.describe()["trainer"] and "tensor_parallel_size=2" in tp2.describe()
 
 
 def test_module_outputs_through_the_worker_protocol(model_dir, tmp_path):

@@ -202,3 +202,40 @@ def test_indivisible_tensor_parallel_is_na(proxy_dir):
             pass
     with pytest.raises(NotImplementedError, match="TP=3"):
         VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu", tensor_parallel=3)
+
+
+class _NormSwitchAt256:
+    """ReferenceOps, except the fused add + RMSNorm re-rounds one row in 37 from 256 rows up:
+    what vLLM 0.26's CUDA kernel was measured to do (a launch switch at 256 tokens)."""
+    name = "reference-ops+norm-switch-at-256"
+
+    def __init__(self, config):
+        self.base = VT.ReferenceOps(config)
+
+    def __getattr__(self, attr):
+        return getattr(self.base, attr)
+
+    def fused_add_rms_norm(self, x, residual, w, eps):
+        out, res = self.base.fused_add_rms_norm(x, residual, w, eps)
+        if x.shape[0] >= 256:
+            out = out.clone()
+            out[11::37, 0] = torch.nextafter(out[11::37, 0], torch.full_like(out[11::37, 0], float("inf")))
+        return out, res
+
+
+def test_module_outputs_in_a_batch_name_a_token_count_switch(proxy_dir):
+    """C6's localisation for this trainer: a sequence's module outputs alone vs inside a packed
+    micro-batch of 300 tokens; a norm that switches at 256 rows is named, with what is upstream
+    of it equal; a clean provider shows every point equal (dense only: the plain-torch MoE reference
+    groups tokens per expert, and CPU GEMMs round by row count)."""
+    from fixtures.module_outputs import compare_module_outputs
+    seqs = [list(range(1, 40)), [7] * 200, [5, 9, 11] * 20]
+    cases = [(_NormSwitchAt256, "model.layers.0.post_attention_layernorm")]
+    if "moe" not in proxy_dir.name:
+        cases.append((VT.ReferenceOps, None))
+    for ops, expect in cases:
+        trainer = VT.EngineKernelTrainer(proxy_dir, ops, dtype=torch.float32, device="cpu")
+        alone = list(trainer.module_outputs(seqs[2]).items())
+        inside = trainer.module_outputs_in_batch(seqs, 2)
+        result = compare_module_outputs(alone, inside, names=("alone", "in the batch"))
+        assert result.compared and result.first == expect, result.describe()
