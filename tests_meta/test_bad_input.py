@@ -1,0 +1,277 @@
+"""Bad input gets one clear line and pytest's usage-error exit status (4): no traceback, no
+INTERNALERROR, nothing half-written (no empty --report folder left behind). Path options written
+with a space (`--report DIR`, `--model DIR`, `--xfails FILE`) work wherever pytest lets them, and
+are refused in one line that shows the `=` spelling where pytest cannot (fixtures/path_options.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fixtures import proxies as P
+from fixtures.path_options import normalised
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[1]
+USAGE = pytest.ExitCode.USAGE_ERROR
+
+CHECKS = """
+import pytest
+@pytest.mark.C0
+def test_c0(): pass
+@pytest.mark.C1
+def test_c1(): pass
+"""
+
+
+@pytest.fixture
+def project(pytester, monkeypatch):
+    """A suite laid out as this repository is: a config file at its root (pytest finds the root
+    from it) and a conftest.py that registers the plugin."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.delenv("HYPOTHESIS_PROFILE", raising=False)
+    pytester.makeini("[pytest]\naddopts = -p no:cacheprovider\n")
+    pytester.makeconftest('pytest_plugins = ["fixtures.plugin"]\n')
+    (pytester.path / "tests_c0_inventory").mkdir()
+    (pytester.path / "tests_c0_inventory" / "test_a.py").write_text(CHECKS)
+    return pytester
+
+
+def model_dir(where: Path, config: dict | None = None, **files: bytes) -> Path:
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "config.json").write_text(json.dumps(P.RECIPES["qwen3"] if config is None else config))
+    for name, data in files.items():
+        (where / name.replace("__", ".")).write_bytes(data)
+    return where
+
+
+def one_line(res, *needles: str) -> str:
+    """The run ended with exit status 4 and exactly one line on stderr, holding every needle."""
+    out, err = res.stdout.str(), res.stderr.str()
+    assert res.ret == USAGE, f"exit {res.ret}\n{out}\n{err}"
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ERROR: "), err
+    assert "Traceback" not in out + err and "INTERNALERROR" not in out + err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def _safetensors(tmp_path) -> bytes:
+    save_file({"w": torch.zeros(64)}, str(tmp_path / "w.safetensors"))
+    return (tmp_path / "w.safetensors").read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. --hypothesis-profile / HYPOTHESIS_PROFILE: checked before anything is made
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_unknown_hypothesis_profile(project, tmp_path, monkeypatch, how):
+    rep = tmp_path / "rep"
+    args = ["--hypothesis-profile", "nope"] if how == "option" else []
+    if how == "environment":
+        monkeypatch.setenv("HYPOTHESIS_PROFILE", "nope")
+    res = project.runpytest_inprocess(*args, f"--report={rep}")
+    line = one_line(res, "nope", "no such hypothesis profile", "ci, default, dev", "nightly")
+    assert ("HYPOTHESIS_PROFILE=nope" in line) == (how == "environment")
+    assert not rep.exists(), "a refused run left its report folder behind"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--xfails", "no_such_file.txt"], "--xfails no_such_file.txt: no such file"),
+    (["--upto", "C99"], "unknown gate 'C99'"),
+    (["--model=no_such_recipe"], "no such directory"),
+])
+def test_a_refused_run_leaves_no_report_folder(project, tmp_path, args, needle):
+    rep = tmp_path / "rep"
+    one_line(project.runpytest_inprocess(*args, f"--report={rep}"), needle)
+    assert not rep.exists()
+
+
+def test_report_path_that_is_a_file(project, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    one_line(project.runpytest_inprocess(f"--report={tmp_path / 'afile'}"), "exists and is not a directory")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. path options written with a space
+# ---------------------------------------------------------------------------------------------
+def test_normalised_spelling():
+    assert normalised(["--model", "/m", "-x", "--report", "r", "--xfails", "--model", "a", "--upto", "C1"]) == \
+        ("--model=/m", "-x", "--report=r", "--xfails", "--model=a", "--upto", "C1")
+    assert normalised(["--model=/m", "--report"]) == ("--model=/m", "--report")
+
+
+@pytest.mark.parametrize("spelling, xdist", [("space", False), ("space", True), ("equals", False)],
+                         ids=["space", "space-xdist", "equals"])    # '=' under xdist: test_plugin.py
+def test_path_options_in_either_spelling(project, tmp_path, spelling, xdist):
+    """--report DIR (a new directory outside the project), --model DIR (inside it) and
+    --xfails FILE, or all with '=' (--model=DIR outside the project); under xdist the workers
+    parse the command line again, after the controller made DIR (see the next test)."""
+    if xdist:
+        pytest.importorskip("xdist")
+    rep = tmp_path / "rep"
+    model = model_dir(project.path / "models" / "mine") if spelling == "space" else model_dir(tmp_path / "mine")
+    (project.path / "known.txt").write_text("tests_c0_inventory/test_a.py::test_gone  # renamed\n")
+    opts = {"--report": str(rep), "--model": str(model.relative_to(project.path) if spelling == "space" else model),
+            "--xfails": "known.txt"}
+    args = [a for k, v in opts.items() for a in ((k, v) if spelling == "space" else (f"{k}={v}",))]
+    res = project.runpytest_inprocess(*args, *(["-n", "2"] if xdist else []))
+    assert res.ret == 0, res.stdout.str() + res.stderr.str()
+    res.assert_outcomes(passed=2)
+    doc = json.loads((rep / "report.json").read_text())
+    assert doc["gates"]["C1"]["overall"] == "pass"
+    assert doc["run"]["known_failures"] == [{"pattern": "tests_c0_inventory/test_a.py::test_gone", "reason": "renamed"}]
+    assert doc["run"]["models"] == [opts["--model"]]
+
+
+def test_xdist_workers_get_the_equals_spelling(project, tmp_path):
+    """Workers parse the controller's raw command line again: a separate --report DIR that exists
+    by then (the controller made it) would root each worker in DIR, without this suite."""
+    config = project.parseconfigure("--report", str(tmp_path / "rep"), "--model", "llama", "-k", "c1")
+    assert config.invocation_params.args[:3] == (f"--report={tmp_path / 'rep'}", "--model=llama", "-k")
+
+
+@pytest.mark.parametrize("option", ["--model", "--xfails", "--report"])
+def test_a_separate_existing_path_outside_the_project_is_refused_with_the_equals_spelling(project, tmp_path, option):
+    """pytest roots the run at the separate value before any plugin is loaded; the pytest11 entry
+    point (here loaded with -p, as an entry point is) says how to write it."""
+    value = {"--model": model_dir(tmp_path / "mine"), "--xfails": tmp_path / "known.txt", "--report": tmp_path}[option]
+    if option == "--xfails":
+        value.write_text("x  # reason\n")
+    res = project.runpytest_subprocess("-p", "fixtures.path_options", option, str(value), "--co")
+    one_line(res, f"{option} {value}: pytest read the separate value as a test path", f"write {option}={value}")
+
+
+def test_the_real_command_line_with_separate_values(tmp_path):
+    """From the repository root, as people type it: --report DIR works (a new DIR; under xdist:
+    test_path_options_in_either_spelling, 15 s more here), an existing --model DIR outside the
+    repository is refused in one line."""
+    rep, model = tmp_path / "x", model_dir(tmp_path / "mine")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
+    base = [sys.executable, "-m", "pytest", "-p", "fixtures.path_options", "-m", "C1", "-q"]
+    ok = subprocess.run(base + ["--model", "qwen3", "--report", str(rep), "-k", "reproducible"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "1 passed" in ok.stdout and (rep / "report.json").is_file()
+    bad = subprocess.run(base + ["--model", str(model), "--co"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == USAGE, bad.stdout + bad.stderr
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"write --model={model}" in lines[0], bad.stderr
+    assert "Traceback" not in bad.stdout + bad.stderr
+
+
+def test_the_guard_is_a_pytest11_entry_point():
+    import tomllib
+    doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert doc["project"]["entry-points"]["pytest11"] == {"fixtures.path_options": "fixtures.path_options"}
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. a config.json without a field the proxy is built from
+# ---------------------------------------------------------------------------------------------
+def test_config_without_a_width_field(project, tmp_path):
+    cfg = {k: v for k, v in P.RECIPES["qwen3"].items() if k != "hidden_size"}
+    d = model_dir(tmp_path / "nohidden", cfg)
+    rep = tmp_path / "rep"
+    one_line(project.runpytest_inprocess(f"--model={d}", f"--report={rep}", "--co"),
+             f"{d / 'config.json'} has no 'hidden_size'", "hidden_size=4096")
+    assert not rep.exists()
+
+
+@pytest.mark.parametrize("recipe, drop, named", [
+    ("llama", ("vocab_size", "intermediate_size"), "'vocab_size', 'intermediate_size'"),
+    ("qwen3_moe", ("num_experts",), "'num_experts' or 'num_local_experts'"),
+    ("mamba2", ("state_size",), "'state_size'"),
+    ("nemotron_h", ("hybrid_override_pattern",), "'hybrid_override_pattern' or 'layers_block_type'"),
+    ("nemotron_h", ("moe_intermediate_size",), "'moe_intermediate_size'"),
+])
+def test_required_fields_per_family(tmp_path, recipe, drop, named):
+    d = model_dir(tmp_path, {k: v for k, v in P.RECIPES[recipe].items() if k not in drop})
+    with pytest.raises(P.ProxyError, match="has no ") as e:
+        P.source_config(d)
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_required_fields_only_where_the_family_uses_them(tmp_path):
+    for name in P.RECIPES:
+        P.source_config(name)                       # every recipe is complete
+    moe = {k: v for k, v in P.RECIPES["qwen3_moe"].items() if k != "intermediate_size"}
+    P.source_config(model_dir(tmp_path / "a", moe))   # no dense layer: intermediate_size unused
+    with pytest.raises(P.ProxyError, match="'intermediate_size'"):
+        P.source_config(model_dir(tmp_path / "b", {**moe, "mlp_only_layers": [0]}))
+    nano = {k: v for k, v in P.RECIPES["nemotron_h"].items() if k != "intermediate_size"}
+    nano["hybrid_override_pattern"] = nano["hybrid_override_pattern"].replace("-", "E")   # no dense MLP layer
+    P.source_config(model_dir(tmp_path / "c", nano))
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. a checkpoint beside config.json: never used (the header says so), refused when corrupt
+# ---------------------------------------------------------------------------------------------
+def test_checkpoint_in_the_model_dir(project, tmp_path):
+    blob = _safetensors(tmp_path)
+    good = model_dir(tmp_path / "good", model__safetensors=blob)
+    res = project.runpytest_inprocess(f"--model={good}", "--co")
+    assert res.ret == 0, res.stdout.str() + res.stderr.str()
+    assert (f"conformance model good: {good / 'config.json'} only; its model.safetensors is not used; "
+            "weights: seeded proxy (seed 0)") in res.stdout.str()
+    rep = tmp_path / "rep"
+    for name, files, needle in (
+            ("truncated", {"model__safetensors": blob[:-16]}, "model.safetensors is corrupt or truncated"),
+            ("garbage", {"model__safetensors": b"not a checkpoint"}, "model.safetensors is corrupt or truncated"),
+            ("sharded", {"model__safetensors__index__json": json.dumps(
+                {"weight_map": {"w": "model-00001-of-00002.safetensors"}}).encode()},
+             "lists model-00001-of-00002.safetensors")):
+        d = model_dir(tmp_path / name, **files)
+        one_line(project.runpytest_inprocess(f"--model={d}", f"--report={rep}", "--co"), f"--model {d}: ", needle)
+        assert not rep.exists()
+
+
+def test_engine_dummy_header(project, tmp_path):
+    d = model_dir(tmp_path / "mine", model__safetensors=_safetensors(tmp_path))
+    res = project.runpytest_inprocess(f"--model={d}", "--proxy-weights", "engine-dummy", "--co")
+    assert res.ret == 0
+    assert "conformance model mine: " in res.stdout.str() and "weights: drawn by the engine" in res.stdout.str()
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. the contract self-test on a recipe name / a config-only directory
+# ---------------------------------------------------------------------------------------------
+def test_selftest_accepts_recipes_and_config_only_dirs(tmp_path):
+    from fixtures.reference import ReferenceImplementation
+    from fixtures.selftest import check_implementation
+    impl = ReferenceImplementation()
+    assert "trainer" in check_implementation(impl, "llama")
+    d = model_dir(tmp_path / "cfg", P.RECIPES["llama"])
+    assert "trainer" in check_implementation(impl, d)
+    assert sorted(p.name for p in d.iterdir()) == ["config.json"], "the proxy is built elsewhere"
+    corrupt = model_dir(tmp_path / "corrupt", P.RECIPES["llama"], model__safetensors=b"truncated")
+    for bad, needle in (("no_such_recipe", "no such directory (built-in recipes: "), (tmp_path / "empty", "no such directory"),
+                        (corrupt, "corrupt or truncated"),
+                        (model_dir(tmp_path / "bert", {"model_type": "bert"}), "has no proxy recipe")):
+        with pytest.raises(ValueError) as e:
+            check_implementation(impl, bad)
+        assert isinstance(e.value, P.ProxyError) and needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. model_type unknown to transformers vs known without a recipe
+# ---------------------------------------------------------------------------------------------
+def test_unknown_model_type_vs_no_recipe(project, tmp_path):
+    import transformers
+    unknown = model_dir(tmp_path / "unknown", {"model_type": "not_a_real_arch"})
+    one_line(project.runpytest_inprocess(f"--model={unknown}", "--co"),
+             f"transformers {transformers.__version__} does not know model_type 'not_a_real_arch'",
+             "upgrade transformers or fix config.json")
+    bert = model_dir(tmp_path / "bert", {"model_type": "bert"})
+    line = one_line(project.runpytest_inprocess(f"--model={bert}", "--co"), "model_type 'bert' has no proxy recipe",
+                    "docs/porting-guide.md")
+    assert all(name in line for name in P.RECIPES)

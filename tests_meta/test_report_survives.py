@@ -1,0 +1,258 @@
+"""The report survives a run that ends badly: with --report=DIR, report.json and report.md say
+what finished, what did not and why, when (a) an xdist worker is killed with SIGKILL mid-check,
+(b) the controller gets SIGTERM, (c) a check runs out of memory. Tiny synthetic gate checks, CPU."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ("-p", "fixtures.plugin", "--model", "llama", "-p", "no:cacheprovider")
+
+
+@pytest.fixture
+def suite(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def make(files: dict[str, str]):
+        for path, text in files.items():
+            p = pytester.path / path
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+        return pytester
+    return make
+
+
+def _report(pt) -> tuple[dict, str]:
+    return json.loads((pt.path / "rep" / "report.json").read_text()), (pt.path / "rep" / "report.md").read_text()
+
+
+def _checks(doc) -> dict[str, dict]:
+    return {c["nodeid"].rpartition("::")[2]: c for c in doc["checks"]}
+
+
+def _gate(doc, gate) -> dict:
+    return doc["gates"][gate]["models"]["llama"]
+
+
+CRASH = """
+import os, signal, time, pytest
+@pytest.mark.C0
+def test_c0_ok(): pass
+@pytest.mark.C1
+def test_c1_boom():
+    os.kill(os.getpid(), signal.SIGKILL)
+@pytest.mark.C1
+def test_c1_ok(): pass
+@pytest.mark.C2
+@pytest.mark.parametrize("i", range(12))
+def test_c2(i): time.sleep(0.05)
+"""
+
+
+def test_a_worker_killed_by_sigkill_is_named_as_crashed(suite):
+    pytest.importorskip("xdist")
+    pt = suite({"tests_c0_inventory/test_crash.py": CRASH})
+    res = pt.runpytest_inprocess(*ARGS, "-n", "2", "--report=rep")
+    assert res.ret != 0
+    doc, md = _report(pt)
+    run, checks = doc["run"], _checks(doc)
+    boom = checks["test_c1_boom"]
+    assert boom["outcome"] == "crashed", boom
+    assert boom["reason"].startswith("worker gw") and "crashed (signal 9" in boom["reason"] \
+        and boom["reason"].endswith("while running it"), boom
+    assert boom["worker"].startswith("gw")
+    assert run["status"] == "incomplete" and run["complete"] is False
+    assert run["crashed"] == ["tests_c0_inventory/test_crash.py::test_c1_boom"]
+    assert "test_c1_boom crashed: worker gw" in run["incomplete"]
+    # the worker was replaced: everything else ran
+    assert checks["test_c1_ok"]["outcome"] == "passed" and run["not_run"] == []
+    c1 = _gate(doc, "C1")
+    assert c1["status"] == "fail" and c1["crashed"] == ["tests_c0_inventory/test_crash.py::test_c1_boom"]
+    assert "1 of 2 checks crashed" in c1["reason"] and "checks failed" not in c1["reason"]
+    assert any(n.startswith("crashed: worker gw") for n in c1["notes"])
+    assert _gate(doc, "C0")["status"] == "pass"
+    assert "**The run is incomplete:" in md
+    assert "| C1 | Proxy model | [ ] fail (1/2, 1 crashed) |" in md
+    assert "- C1 [all models] **CRASHED** `tests_c0_inventory/test_crash.py::test_c1_boom`: worker gw" in md
+
+
+def test_a_crash_without_restart_lists_the_checks_that_never_ran(suite):
+    pytest.importorskip("xdist")
+    pt = suite({"tests_c0_inventory/test_crash.py": CRASH})
+    res = pt.runpytest_inprocess(*ARGS, "-n", "2", "--max-worker-restart=0", "--report=rep")
+    assert res.ret != 0
+    doc, md = _report(pt)
+    run, checks = doc["run"], _checks(doc)
+    assert checks["test_c1_boom"]["outcome"] == "crashed"
+    assert run["status"] == "incomplete" and run["not_run"], run
+    assert len(checks) == 15, "every requested check is listed, finished or not"
+    for nodeid in run["not_run"]:
+        c = checks[nodeid.rpartition("::")[2]]
+        assert c["outcome"] == "not run" and c["reason"].startswith("never ran: worker gw"), c
+        assert _gate(doc, c["gate"])["status"] != "pass"
+    assert f"Did not finish ({len(run['not_run'])}):" in md
+
+
+SLOW = """
+import time, pytest
+@pytest.mark.C0
+def test_c0_ok(): pass
+@pytest.mark.C1
+def test_c1_slow():
+    open({marker!r}, "w").write("running")
+    time.sleep(60)
+@pytest.mark.C2
+@pytest.mark.parametrize("i", range(4))
+def test_c2(i): time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["plain", "xdist"])
+def test_b_sigterm_to_the_controller_leaves_an_interrupted_report(suite, xdist):
+    if xdist:
+        pytest.importorskip("xdist")
+    marker = Path(suite({}).path) / "running.marker"
+    pt = suite({"tests_c0_inventory/test_slow.py": SLOW.replace("{marker!r}", repr(str(marker)))})
+    cmd = [sys.executable, "-m", "pytest", *ARGS, "--report=rep"] + (["-n", "2"] if xdist else [])
+    proc = subprocess.Popen(cmd, cwd=pt.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 25
+        while time.time() < deadline and not marker.exists() and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), "the slow check never started"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0, out.decode(errors="replace")[-2000:]
+    doc, md = _report(pt)
+    run, checks = doc["run"], _checks(doc)
+    assert run["status"] == "interrupted" and run["interrupted"] == "interrupted (signal 15)", run
+    assert run["exitstatus"] == proc.returncode != 0
+    assert checks["test_c0_ok"]["outcome"] == "passed"
+    assert checks["test_c1_slow"]["outcome"] == "interrupted"
+    assert checks["test_c1_slow"]["reason"] == "was running when the run stopped: interrupted (signal 15)"
+    c2 = [c for n, c in checks.items() if n.startswith("test_c2")]
+    assert len(c2) == 4 and all(c["outcome"] in ("not run", "interrupted") for c in c2)
+    assert len(run["not_run"]) >= 2 and all("test_c2[" in n for n in run["not_run"])
+    assert all(c["reason"] == "never ran: interrupted (signal 15)" for c in c2 if c["outcome"] == "not run")
+    assert _gate(doc, "C0")["status"] == "pass"
+    assert _gate(doc, "C1")["status"] == "incomplete" and _gate(doc, "C2")["status"] == "incomplete"
+    assert run["complete"] is False
+    assert "**The run did not finish: interrupted (signal 15).**" in md
+    assert "- status: interrupted;" in md
+    assert "`tests_c0_inventory/test_slow.py::test_c2[3]`" in md
+
+
+OOM = """
+import pytest, torch
+
+def _no_cuda(monkeypatch):
+    for name in ("init", "_lazy_init", "current_device", "mem_get_info", "memory_allocated", "memory_reserved",
+                 "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: pytest.fail("CUDA touched on the CPU path"))
+
+@pytest.mark.C0
+def test_c0_ok(): pass
+
+@pytest.mark.C1
+def test_cuda_message(monkeypatch):
+    _no_cuda(monkeypatch)
+    raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity)")
+
+@pytest.mark.C1
+def test_memory_error(monkeypatch):
+    _no_cuda(monkeypatch)
+    raise MemoryError()
+
+@pytest.mark.C1
+def test_cpu_allocator(monkeypatch):
+    _no_cuda(monkeypatch)
+    torch.empty(1 << 60, dtype=torch.uint8)
+
+@pytest.mark.C1
+def test_torch_cuda_oom(monkeypatch):
+    # as on a GPU: the plugin reads this process's CUDA figures (faked here)
+    fake = {"is_initialized": lambda: True, "current_device": lambda: 0,
+            "mem_get_info": lambda d=None: (1 << 29, 80 << 30), "memory_allocated": lambda d=None: 3 << 30,
+            "memory_reserved": lambda d=None: 4 << 30, "max_memory_allocated": lambda d=None: 5 << 30}
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+@pytest.mark.C2
+def test_c2_plain_failure(): assert 1 == 2
+"""
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["plain", "xdist"])
+def test_c_out_of_memory_is_an_error_not_a_check_failure(suite, xdist):
+    if xdist:
+        pytest.importorskip("xdist")
+    pt = suite({"tests_c0_inventory/test_oom.py": OOM})
+    res = pt.runpytest_inprocess(*ARGS, "--report=rep", *(["-n", "2"] if xdist else []))
+    res.assert_outcomes(passed=1, failed=5)
+    doc, md = _report(pt)
+    checks = _checks(doc)
+    for name in ("test_cuda_message", "test_memory_error", "test_cpu_allocator", "test_torch_cuda_oom"):
+        assert checks[name]["outcome"] == "error: out of memory", checks[name]
+    assert checks["test_cuda_message"]["reason"].startswith("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert checks["test_memory_error"]["reason"].startswith("MemoryError")
+    assert "DefaultCPUAllocator: can't allocate memory" in checks["test_cpu_allocator"]["reason"]
+    for name in ("test_cuda_message", "test_memory_error", "test_cpu_allocator"):
+        mem = checks[name]["memory"]
+        assert "allocated_bytes" not in mem and "cuda_error" not in mem, mem   # CUDA never touched
+        assert mem["process_max_rss_bytes"] > 0
+    mem = checks["test_torch_cuda_oom"]["memory"]
+    assert (mem["device"], mem["allocated_bytes"], mem["reserved_bytes"], mem["free_bytes"], mem["total_bytes"]) == \
+        ("cuda:0", 3 << 30, 4 << 30, 1 << 29, 80 << 30)
+    assert checks["test_torch_cuda_oom"]["reason"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert "cuda:0: allocated 3.00 GiB, reserved 4.00 GiB by this process, free 0.50 GiB of 80.00 GiB on the device" \
+        in checks["test_torch_cuda_oom"]["reason"]
+    assert checks["test_c2_plain_failure"]["outcome"] == "failed"
+    c1 = _gate(doc, "C1")
+    assert c1["status"] == "fail" and c1["reason"].startswith("4 of 4 checks ran out of memory")
+    assert "failed" not in c1["reason"] and len(c1["errors"]) == 4
+    assert sum(n.startswith("out of memory: ") for n in c1["notes"]) == 4
+    assert _gate(doc, "C2")["reason"].startswith("1 of 1 checks failed")
+    assert doc["run"]["status"] == "finished" and doc["run"]["complete"] is True
+    assert len(doc["run"]["out_of_memory"]) == 4
+    assert "| C1 | Proxy model | [ ] fail (0/4, 4 out of memory) |" in md
+    assert md.count("**ERROR: OUT OF MEMORY**") == 4
+    assert "C1 [llama] note: out of memory: RuntimeError: CUDA out of memory" in res.stdout.str()
+
+
+def test_verdict_rules_for_crashes_oom_and_unfinished_checks():
+    from fixtures.verdicts import CheckResult, all_passed, gate_verdicts, overall
+
+    def r(gate, outcome, name, reason=""):
+        return CheckResult(f"t::{name}", gate, "m", outcome, reason)
+    out = gate_verdicts([r("C0", "passed", "a"), r("C0", "not run", "b", "never ran: interrupted (signal 15)"),
+                         r("C1", "passed", "c"), r("C1", "crashed", "d", "worker gw1 crashed (signal 9) while running it"),
+                         r("C1", "failed", "e", "call failed"),
+                         r("C2", "error: out of memory", "f", "RuntimeError: CUDA out of memory")],
+                        ["m"], ("C0", "C1", "C2", "C3"))["m"]
+    assert out["C0"].status == "incomplete" and out["C0"].unfinished == ["t::b"]
+    assert out["C0"].reason == "1 of 2 checks did not finish: never ran: interrupted (signal 15); 1 passed"
+    assert out["C1"].status == "fail" and out["C1"].crashed == ["t::d"] and out["C1"].failed == ["t::d", "t::e"]
+    assert out["C1"].reason == "1 of 3 checks crashed: t::d; 1 of 3 checks failed: t::e"
+    assert out["C1"].notes == ["crashed: worker gw1 crashed (signal 9) while running it [t::d]"]
+    assert out["C2"].status == "fail" and out["C2"].errors == {"t::f": "error: out of memory"}
+    assert out["C2"].reason == "1 of 1 checks ran out of memory: t::f"
+    assert out["C2"].notes == ["out of memory: RuntimeError: CUDA out of memory [t::f]"]
+    assert out["C2"].as_dict()["errors"] == {"t::f": "error: out of memory"}
+    assert not all_passed({"m": out}, ["C0"])
+    assert overall({"m": out, "n": {"C0": type(out["C0"])("C0", "n", "not run")}}, "C0") == "incomplete"
