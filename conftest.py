@@ -1,8 +1,8 @@
 """The suite's fixtures: the documented contract between the gates and the system under test.
 
-The plugin machinery (options, gate markers, verdicts, report) lives in fixtures/plugin.py. This
+The plugin machinery (options, gate markers, verdicts, report) lives in fixtures/plugin/session.py. This
 file holds the fixtures tests use; their docstrings say exactly what an implementation must
-provide. A third party implements `fixtures.contract.Implementation` and passes
+provide. A third party implements `fixtures.core.contract.Implementation` and passes
 `--impl package.module:factory`; nothing here needs to change.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["fixtures.plugin", "fixtures.fault_plugin"]
+pytest_plugins = ["fixtures.plugin.session", "fixtures.faults.plugin"]
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +22,7 @@ def impl(pytestconfig):
     make_trainer(model_dir) -> Trainer, make_engine(model_dir, EngineSettings) -> Engine
     (NotImplementedError where it has no engine: engine checks then skip with that reason).
     """
-    from fixtures.plugin import STATE
+    from fixtures.plugin.session import STATE
     return pytestconfig.stash[STATE]["impl"]
 
 
@@ -41,8 +41,8 @@ def proxy(model_name, pytestconfig, tmp_path_factory, impl):
     """The proxy model of `model_name` at --proxy size: a ProxySpec whose `path` is a directory
     with config.json + model.safetensors (seeded random weights, token ids only), built once per
     session. Engines and trainers load it from `path`."""
-    from fixtures.proxies import build_engine_dummy, build_proxy
-    from fixtures.plugin import model_id
+    from fixtures.models.proxies import build_engine_dummy, build_proxy
+    from fixtures.plugin.session import model_id
     dummy = pytestconfig.getoption("--proxy-weights") == "engine-dummy"
     _check_proxy_fits(model_name, pytestconfig.getoption("--proxy"), impl, copies=1 if dummy else 2)
     out = tmp_path_factory.mktemp(f"proxy-{model_id(model_name)}")
@@ -56,7 +56,7 @@ def _check_proxy_fits(model_name, size, impl, copies: int = 2) -> None:
     """A proxy the machine cannot hold is "not run" with the numbers, not an out-of-memory kill."""
     import os
     import torch
-    from fixtures.proxies import proxy_config, source_config, tensor_specs
+    from fixtures.models.proxies import proxy_config, source_config, tensor_specs
     if size == "tiny":
         return
     _, params = tensor_specs(proxy_config(source_config(model_name), size))
@@ -80,7 +80,7 @@ def skip_not_available(exc: NotImplementedError, what: str):
 
 @pytest.fixture(scope="session")
 def trainer(impl, proxy):
-    """A Trainer holding the proxy (fixtures.contract.Trainer): logprobs(sequences, layout=,
+    """A Trainer holding the proxy (fixtures.core.contract.Trainer): logprobs(sequences, layout=,
     micro_batch_size=) -> list of float32 [len-1] tensors; module() -> the torch module it runs;
     export_weights() -> {canonical name: tensor}. One per model per session."""
     try:
@@ -95,7 +95,7 @@ def trainer(impl, proxy):
 def engine_factory(impl, proxy):
     """Callable (EngineSettings) -> Engine for the proxy; skips the test with the implementation's
     reason where it provides no engine. Engines are context managers: use `with`."""
-    from fixtures.contract import EngineSettings
+    from fixtures.core.contract import EngineSettings
 
     def make(settings: EngineSettings = EngineSettings()):
         try:
@@ -121,8 +121,8 @@ def inventory(trainer, proxy, model_name, impl, artifact_dir):
     """The C0 inventory of the trainer's module (prefill, decode, padded training forward,
     backward), traced once per model inside the implementation's kernel mode so it also records
     which kernel served each op; written into the report. Gates C0 and C8 read it."""
-    from fixtures.inventory import take_inventory
-    from fixtures.plugin import model_id
+    from fixtures.checks.inventory import take_inventory
+    from fixtures.plugin.session import model_id
     if hasattr(trainer, "kernel_inventory"):
         pytest.skip("n/a: this trainer runs the engine's kernels outside torch dispatch, so its aten trace is not "
                     "what it runs; C0 checks its forward kernels against the engine's instead "
@@ -137,13 +137,13 @@ def inventory(trainer, proxy, model_name, impl, artifact_dir):
 def engine_kernel_inventory(engine_factory, proxy, model_name, artifact_dir):
     """The engine's own kernels (engines exposing `kernel_inventory`, i.e. vLLM): every CUDA
     kernel launched for a prefill + decode + sampling workload, with the op, module class and
-    phase that launched it (fixtures.vllm_kernels.KernelInventory); written into the report.
+    phase that launched it (fixtures.vllm.kernels.KernelInventory); written into the report.
     C0 maps each kernel; C2 checks the cases the kernels map to. Skips "n/a" for engines
     without the method (the reference engine runs the trainer's kernels)."""
     import json
-    from fixtures.contract import EngineSettings
-    from fixtures.plugin import model_id
-    from fixtures.vllm_kernels import inventory_workload
+    from fixtures.core.contract import EngineSettings
+    from fixtures.plugin.session import model_id
+    from fixtures.vllm.kernels import inventory_workload
     with engine_factory(EngineSettings(cuda_graphs=False, compilation=False)) as engine:
         take = getattr(engine, "kernel_inventory", None)
         if take is None:

@@ -1,4 +1,4 @@
-"""CPU benchmark: each batch-invariant kernel (fixtures.kernels) vs the stock torch op.
+"""CPU benchmark: each batch-invariant kernel (fixtures.reference.kernels) vs the stock torch op.
 
 Not a test. Sizes are those of the tiny proxies (hidden 64, vocab 512, tens of tokens, batches of
 8) plus a larger row count. Prints a Markdown table: median time per call over `--repeat` runs,
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fixtures import kernels as K  # noqa: E402
+from fixtures.reference import kernels as K  # noqa: E402
 
 aten = torch.ops.aten
 

@@ -21,7 +21,7 @@
 #                  inventory under the profiler, then each mapped kernel called directly at
 #                  hypothesis-drawn token counts, VLLM_BATCH_INVARIANT=1, plus its =0 controls
 #   kernels-moe    the same for qwen3_moe shallow (adds fused MoE and the router)
-#   c7-engine-kernels  C6, C7 and C9 with the trainer on vLLM's own forward kernels (fixtures.vllm_trainer)
+#   c7-engine-kernels  C6, C7 and C9 with the trainer on vLLM's own forward kernels (fixtures.vllm.trainer)
 #                  and weights pushed through vLLM's reload path, qwen3 shallow: the headline
 #                  train-inference parity check (213 s; C7 and C9 exactly 0 on the H200); c7-engine-kernels-moe: qwen3_moe
 #   c7-transformers-backend  C7 with vLLM's Transformers backend (model_impl="transformers") engines
@@ -164,19 +164,19 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
         tests_c0_inventory/test_c0_engine_kernels.py tests_c5_invariance/test_c2_vllm_kernels.py \
         --report="$OUT/report-$stage" ;;
     c7-engine-kernels|c7-engine-kernels-moe)
-      run_stage "$stage" --impl fixtures.vllm_engine:engine_kernel_trainer --proxy shallow --model="$model" \
+      run_stage "$stage" --impl fixtures.vllm.engine:engine_kernel_trainer --proxy shallow --model="$model" \
         -m "C6 or C7 or C9" --durations=10 --report="$OUT/report-$stage" ;;
     c7-transformers-backend)
-      run_stage "$stage" --impl fixtures.vllm_engine:transformers_backend --proxy shallow --model=qwen3 \
+      run_stage "$stage" --impl fixtures.vllm.engine:transformers_backend --proxy shallow --model=qwen3 \
         -m C7 --durations=10 --report="$OUT/report-$stage" ;;
     c7-full-dummy-qwen3)
-      CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_FULL run_stage "$stage" --impl fixtures.vllm_engine:engine_kernel_trainer \
+      CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_FULL run_stage "$stage" --impl fixtures.vllm.engine:engine_kernel_trainer \
         --proxy full --model=qwen3 -m C7 --durations=10 --report="$OUT/report-$stage" ;;
     c7-tp2-qwen3)
-      run_stage "$stage" --impl fixtures.vllm_engine:tensor_parallel_2_engine_kernels --proxy shallow --model=qwen3 \
+      run_stage "$stage" --impl fixtures.vllm.engine:tensor_parallel_2_engine_kernels --proxy shallow --model=qwen3 \
         -m C7 --durations=10 --report="$OUT/report-$stage" ;;
     tp2-qwen3)
-      run_stage tp2-qwen3 --impl fixtures.vllm_engine:tensor_parallel_2 --proxy shallow --model=qwen3 \
+      run_stage tp2-qwen3 --impl fixtures.vllm.engine:tensor_parallel_2 --proxy shallow --model=qwen3 \
         -m "C3 or C4" --durations=10 --report="$OUT/report-tp2-qwen3" ;;
     hybrid)
       run_stage hybrid --impl vllm --proxy shallow --model=nemotron_h -m C3 --durations=10 \

@@ -1,6 +1,6 @@
 """Gate C0 for the engine's own kernels (engines that expose `kernel_inventory`, i.e. vLLM): every
 CUDA kernel the engine launches for a prefill + decode + sampling workload is listed with the op,
-module class and phase that launched it, and mapped by fixtures.vllm_kernels.RULES to a policy;
+module class and phase that launched it, and mapped by fixtures.vllm.kernels.RULES to a policy;
 zero unmapped kernels, and every reduction kernel names a C2 case that tests_c5_invariance/
 test_c2_vllm_kernels.py runs on that kernel. Artifact: engine-kernels-<model>.json / .md.
 
@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from fixtures import vllm_kernels as VK
+from fixtures.vllm import kernels as VK
 
 pytestmark = pytest.mark.C0
 
@@ -38,7 +38,7 @@ def test_no_unmapped_engine_kernel(engine_kernels):
     unmapped = engine_kernels.unmapped
     assert not unmapped, (
         f"{len(unmapped)} kernel(s) launched by the engine for {engine_kernels.model} have no policy in "
-        "fixtures.vllm_kernels.RULES (map each to a C2 case if it reduces, else elementwise / data movement):\n"
+        "fixtures.vllm.kernels.RULES (map each to a C2 case if it reduces, else elementwise / data movement):\n"
         + "\n".join(f"  {e.kernel}\n      ops {sorted(e.ops) or ['(bare launch)']}, module {e.first_module or '(outside)'} "
                     f"({', '.join(sorted(e.module_classes)) or '-'}), phases {sorted(e.phases)}, {e.count} launches"
                     for e in unmapped[:25]))
@@ -77,8 +77,8 @@ def test_trainer_forward_runs_the_engine_kernels(engine_kernels, trainer, proxy,
     take = getattr(trainer, "kernel_inventory", None)
     if take is None:
         pytest.skip("n/a: the trainer exposes no kernel_inventory (it runs its own kernels; C7 compares the bits)")
-    from fixtures.plugin import model_id
-    from fixtures.vllm_kernels import inventory_workload
+    from fixtures.plugin.session import model_id
+    from fixtures.vllm.kernels import inventory_workload
     inv = take([r.prompt_ids for r in inventory_workload(proxy.config.vocab_size)], tmp_path / "trainer.trace.json")
     (artifact_dir / f"trainer-kernels-{model_id(model_name)}.md").write_text(inv.markdown())
     assert inv.launches > 0, "the trainer's forward launched no kernel under the profiler"

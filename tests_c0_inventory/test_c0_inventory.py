@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.inventory import PHASES, kernel_table_problems
+from fixtures.checks.inventory import PHASES, kernel_table_problems
 
 pytestmark = pytest.mark.C0
 
@@ -45,10 +45,10 @@ def test_kernel_table_both_ways(inventory, impl):
     if not inventory.kernel_mode:
         pytest.fail(f"{impl.name}: the implementation exposes no kernel_mode() (a zero-argument factory of "
                     "the context manager its trainer runs under), so the kernel table cannot be checked "
-                    "against what was really dispatched; add one (see fixtures.reference.ReferenceImplementation)")
+                    "against what was really dispatched; add one (see fixtures.reference.implementation.ReferenceImplementation)")
     if not inventory.served and not inventory.unserved:
         pytest.fail(f"{inventory.kernel_mode} reported nothing served: it must count served ops as "
-                    "`served_ops: Counter[(op, kernel)]` and `passed_through: Counter[op]` (fixtures.invariant_mode)")
+                    "`served_ops: Counter[(op, kernel)]` and `passed_through: Counter[op]` (fixtures.reference.invariant_mode)")
     problems, notes = kernel_table_problems(inventory)
     assert not problems, (
         f"kernel table vs kernel mode ({inventory.kernel_mode}) for {inventory.model}: {len(problems)} problem(s)\n  "

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures import op_kinds
-from fixtures.proxies import ENGINE_DUMMY, build_proxy, layer_kinds, source_config
+from fixtures.checks import op_kinds
+from fixtures.models.proxies import ENGINE_DUMMY, build_proxy, layer_kinds, source_config
 
 pytestmark = pytest.mark.C1
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from fixtures.contract import EngineSettings
-from fixtures.rollouts import rollout_requests
+from fixtures.core.contract import EngineSettings
+from fixtures.checks.rollouts import rollout_requests
 
 pytestmark = pytest.mark.C10
 

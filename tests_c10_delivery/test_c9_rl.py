@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.comparison import BitwiseMismatch
-from fixtures.rollouts import assert_parity, collect, rollout_requests
+from fixtures.core.comparison import BitwiseMismatch
+from fixtures.checks.rollouts import assert_parity, collect, rollout_requests
 
 pytestmark = pytest.mark.C9
 

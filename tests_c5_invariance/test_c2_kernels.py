@@ -6,8 +6,8 @@ ragged batch equals each sequence alone; the training variant (autograd on, pack
 the inference variant's forward bits.
 
 Negative controls: the same checks on the stock torch op must report a difference (or the control
-is "inconclusive on this hardware"), and every planted variant of fixtures.kernels.VARIANTS must
-be caught. The checks themselves live in fixtures.kernel_checks (the fault matrix reuses them).
+is "inconclusive on this hardware"), and every planted variant of fixtures.reference.kernels.VARIANTS must
+be caught. The checks themselves live in fixtures.checks.kernel_checks (the fault matrix reuses them).
 
 Kernels run on the implementation's device (`impl.device()`).
 """
@@ -18,11 +18,11 @@ import re
 import pytest
 from hypothesis import example, given, note, strategies as st
 
-from fixtures import kernel_checks as checks
-from fixtures import kernels as K
-from fixtures import strategies as S
-from fixtures.kernel_table import BUILTIN, claimed_kernels
-from fixtures.strategies import AttnShape, Shape
+from fixtures.checks import kernel_checks as checks
+from fixtures.reference import kernels as K
+from fixtures.checks import strategies as S
+from fixtures.core.kernel_table import BUILTIN, claimed_kernels
+from fixtures.checks.strategies import AttnShape, Shape
 
 pytestmark = pytest.mark.C2
 
@@ -38,13 +38,13 @@ def device(impl):
 
 
 def test_every_table_kernel_has_a_kernel_and_checks(impl):
-    """Every kernel the table names is registered in fixtures.kernels.KERNELS and has a C2 case."""
+    """Every kernel the table names is registered in fixtures.reference.kernels.KERNELS and has a C2 case."""
     table = impl.kernel_table() or BUILTIN
     claimed = claimed_kernels(table)
     missing = {k: sorted(ops) for k, ops in claimed.items() if k not in K.KERNELS}
-    assert not missing, f"kernels named by the table but absent from fixtures.kernels.KERNELS: {missing}"
+    assert not missing, f"kernels named by the table but absent from fixtures.reference.kernels.KERNELS: {missing}"
     unchecked = sorted(k for k in claimed if not checks.cases_for(k))
-    assert not unchecked, f"kernels without a C2 case in fixtures.kernel_checks.CASES: {unchecked}"
+    assert not unchecked, f"kernels without a C2 case in fixtures.checks.kernel_checks.CASES: {unchecked}"
 
 
 # ---------------------------------------------------------------------------------------------

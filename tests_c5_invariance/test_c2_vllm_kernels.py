@@ -1,5 +1,5 @@
 """Gate C2 on vLLM's own kernels, called directly on the GPU the way the model calls them
-(fixtures.vllm_kernels): for each kernel the C0 engine inventory maps, row r of a call over M
+(fixtures.vllm.kernels): for each kernel the C0 engine inventory maps, row r of a call over M
 tokens equals the same row computed alone, at hypothesis-drawn M across the thresholds (always
 including 1, 7, 16, 44, 64, 255, 256, 257 and 1024 tokens), and a second call gives the same bits;
 attention: a sequence alone vs inside a ragged batch, a decode query vs its prefill row, a prefill
@@ -19,9 +19,9 @@ import json
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from fixtures import strategies as S
-from fixtures import vllm_kernels as VK
-from fixtures.comparison import BitwiseMismatch, assert_bitwise
+from fixtures.checks import strategies as S
+from fixtures.vllm import kernels as VK
+from fixtures.core.comparison import BitwiseMismatch, assert_bitwise
 
 pytestmark = [pytest.mark.C2, pytest.mark.gpu, pytest.mark.vllm]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, note, strategies as st
 
-from fixtures.comparison import BitwiseMismatch
-from fixtures.contract import EngineSettings, Request, SamplingParams
-from fixtures.localise import localise_in_engine
-from fixtures.workloads import (assert_same_completion, assert_same_completions, engine_settings, max_batch,
+from fixtures.core.comparison import BitwiseMismatch
+from fixtures.core.contract import EngineSettings, Request, SamplingParams
+from fixtures.diagnose.localise import localise_in_engine
+from fixtures.checks.workloads import (assert_same_completion, assert_same_completions, engine_settings, max_batch,
                                 needle_batch, requests)
 
 pytestmark = pytest.mark.C3

@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import given, note, strategies as st
 
-from fixtures.comparison import BitwiseMismatch, assert_bitwise
-from fixtures.contract import EngineSettings, Request, SamplingParams
-from fixtures.workloads import assert_same_completions, engine_settings, requests
+from fixtures.core.comparison import BitwiseMismatch, assert_bitwise
+from fixtures.core.contract import EngineSettings, Request, SamplingParams
+from fixtures.checks.workloads import assert_same_completions, engine_settings, requests
 
 pytestmark = pytest.mark.C4
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from fixtures.comparison import assert_bitwise
-from fixtures.contract import EngineSettings, Request, SamplingParams
-from fixtures.workloads import assert_same_completions, engine_settings
+from fixtures.core.comparison import assert_bitwise
+from fixtures.core.contract import EngineSettings, Request, SamplingParams
+from fixtures.checks.workloads import assert_same_completions, engine_settings
 
 pytestmark = pytest.mark.C5
 
@@ -128,7 +128,7 @@ def test_raw_logprobs_stay_raw(engine, proxy, temperature, top_p, top_k):
 def test_control_stock_batch_size_is_seen(engine_factory, proxy):
     """Negative control: with stock kernels, max_num_seqs=1 vs 7 must change some bits (CPU fp32
     GEMM rounds by row count); where it does not, the check is inconclusive on this hardware."""
-    from fixtures.comparison import BitwiseMismatch
+    from fixtures.core.comparison import BitwiseMismatch
     reqs = _workload(proxy.config.vocab_size, seed=5)
     with engine_factory(EngineSettings(batch_invariant=False, max_num_seqs=1)) as one:
         a = one.generate(reqs)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from fixtures.comparison import BitwiseMismatch, assert_bitwise
-from fixtures.contract import Layout, supported_layouts
-from fixtures.workloads import engine_settings
+from fixtures.core.comparison import BitwiseMismatch, assert_bitwise
+from fixtures.core.contract import Layout, supported_layouts
+from fixtures.checks.workloads import engine_settings
 
 pytestmark = pytest.mark.C6
 
@@ -31,9 +31,9 @@ def _localiser(trainer, batch, layout, repro_dir=None, kernel_fault=None):
     part ways (the trainer is traceable: its module() runs the forward), plus a minimal repro of
     that op (its inputs from both runs and a replay script) under `repro_dir`; for a trainer that
     records its module outputs (the engine-kernel trainer), the first differing module output."""
-    from fixtures.comparison import compare
-    from fixtures.localise import Rows, localise
-    from fixtures.repro import capture_first_call, write_repro
+    from fixtures.core.comparison import compare
+    from fixtures.diagnose.localise import Rows, localise
+    from fixtures.diagnose.repro import capture_first_call, write_repro
 
     def run() -> str:
         alone = _alone(trainer, batch, layout)
@@ -41,7 +41,7 @@ def _localiser(trainer, batch, layout, repro_dir=None, kernel_fault=None):
         d = compare(together, alone)
         i = d.first[0] if d.first else 0
         if hasattr(trainer, "module_outputs_in_batch"):        # kernels the op tracer cannot follow (vLLM's)
-            from fixtures.module_outputs import compare_module_outputs
+            from fixtures.diagnose.module_outputs import compare_module_outputs
             return compare_module_outputs(list(trainer.module_outputs(batch[i]).items()),
                                           trainer.module_outputs_in_batch(batch, i),
                                           names=("alone", f"in the batch at {i}")).describe()
@@ -139,7 +139,7 @@ def _kernel_fault(config) -> str | None:
     name = config.getoption("--plant-fault", None)
     if not name:
         return None
-    from fixtures.faults import get
+    from fixtures.faults.catalog import get
     return name if get(name).kind == "kernel" else None
 
 
@@ -155,7 +155,7 @@ def test_control_stock_trainer_is_seen(proxy):
     """Negative control: a trainer on stock kernels and eager attention must differ between a
     sequence alone and inside a padded batch of 8 (measured: stock CPU fp32 GEMM single-threaded
     rounds rows differently from M = 4 rows up, so 2- and 3-token sequences alone take the other path)."""
-    from fixtures.hf_trainer import HFTrainer
+    from fixtures.reference.hf_trainer import HFTrainer
     stock = HFTrainer(proxy.path, attn_implementation="eager")
     g = torch.Generator().manual_seed(8)
     seqs = [torch.randint(0, proxy.config.vocab_size, (n,), generator=g).tolist() for n in (2, 3, 40, 2, 3, 33, 4, 2)]

@@ -9,10 +9,10 @@ import pytest
 
 import torch
 
-from fixtures.comparison import BitwiseMismatch
-from fixtures.contract import Layout, supported_layouts
-from fixtures.module_outputs import compare_module_outputs
-from fixtures.rollouts import assert_parity, collect, rollout_requests
+from fixtures.core.comparison import BitwiseMismatch
+from fixtures.core.contract import Layout, supported_layouts
+from fixtures.diagnose.module_outputs import compare_module_outputs
+from fixtures.checks.rollouts import assert_parity, collect, rollout_requests
 
 pytestmark = pytest.mark.C7
 
@@ -106,7 +106,7 @@ def test_control_planted_ulp_is_named(trainer, proxy):
     if not hasattr(trainer, "module_outputs") or not hasattr(trainer, "ops"):
         pytest.skip("n/a: the trainer records no module outputs")
     import contextlib
-    from fixtures.vllm_trainer import PlantedULP
+    from fixtures.vllm.trainer import PlantedULP
     seq = _module_probe(proxy)
     whole = trainer.at_tensor_parallel(1) if hasattr(trainer, "at_tensor_parallel") else contextlib.nullcontext()
     with whole:                 # every point recorded whole (a TP>1 trainer records only the all-reduced ones)
@@ -127,7 +127,7 @@ def test_control_planted_ulp_is_named(trainer, proxy):
 def test_control_stock_trainer_breaks_parity(engine, proxy, rollouts):
     """Negative control: the same parity check with a trainer on stock kernels and eager
     attention must report a difference."""
-    from fixtures.hf_trainer import HFTrainer
+    from fixtures.reference.hf_trainer import HFTrainer
     stock = HFTrainer(proxy.path, attn_implementation="eager")
     try:
         assert_parity(engine, stock, rollouts)

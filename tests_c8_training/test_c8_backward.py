@@ -3,10 +3,10 @@ bitwise deterministic and finite; each op's gradient agrees with a float64 autog
 within a per-op bound derived from the dtype and reduction length (a planted wrong backward must
 exceed it); the optimizer step is deterministic.
 
-The bound and its constant are documented in fixtures.grad_checks: |g - g64| <= 2 * n * u * S,
+The bound and its constant are documented in fixtures.checks.grad_checks: |g - g64| <= 2 * n * u * S,
 u = 2^-24, n the reduction length of the backward computation, S the elementwise magnitude.
 Everything runs under the implementation's kernel mode (`impl.kernel_mode()`, falling back to
-fixtures.invariant_mode.batch_invariant_mode): forward and backward on its kernels.
+fixtures.reference.invariant_mode.batch_invariant_mode): forward and backward on its kernels.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 from hypothesis import example, given, note, settings
 
-from fixtures import grad_checks as G
-from fixtures.grad_checks import GradShape
-from fixtures.invariant_mode import batch_invariant_mode
+from fixtures.checks import grad_checks as G
+from fixtures.checks.grad_checks import GradShape
+from fixtures.reference.invariant_mode import batch_invariant_mode
 
 pytestmark = pytest.mark.C8
 
@@ -38,7 +38,7 @@ def _examples(expensive: bool) -> int:
 @pytest.fixture(scope="session")
 def kernel_mode(impl):
     """Zero-argument factory of the implementation's kernel mode (every forward and backward of
-    these checks runs under it); fixtures.invariant_mode.batch_invariant_mode where it has none."""
+    these checks runs under it); fixtures.reference.invariant_mode.batch_invariant_mode where it has none."""
     return getattr(impl, "kernel_mode", None) or batch_invariant_mode
 
 
@@ -52,7 +52,7 @@ def train_sequences(proxy, pytestconfig):
 @pytest.fixture(scope="session")
 def trainer_loss(trainer):
     """loss(model, sequences) = -mean token logprob, through the trainer's own forward where it
-    exposes one with gradients (`logprobs_with_grad`), else fixtures.grad_checks.sequence_loss."""
+    exposes one with gradients (`logprobs_with_grad`), else fixtures.checks.grad_checks.sequence_loss."""
     fwd = getattr(trainer, "logprobs_with_grad", None)
     if fwd is None:
         return G.sequence_loss
@@ -94,7 +94,7 @@ def test_every_reached_kernel_has_grad_check(inventory):
     uncovered = G.uncovered_kernels(inventory)
     assert not uncovered, (
         f"kernels reached by {inventory.model} with no C8 gradient case (add one to "
-        f"fixtures.grad_checks.GRAD_CASES): {uncovered}")
+        f"fixtures.checks.grad_checks.GRAD_CASES): {uncovered}")
 
 
 # ---------------------------------------------------------------------------------------------

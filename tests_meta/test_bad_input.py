@@ -1,7 +1,7 @@
 """Bad input gets one clear line and pytest's usage-error exit status (4): no traceback, no
 INTERNALERROR, nothing half-written (no empty --report folder left behind). Path options written
 with a space (`--report DIR`, `--model DIR`, `--xfails FILE`) work wherever pytest lets them, and
-are refused in one line that shows the `=` spelling where pytest cannot (fixtures/path_options.py)."""
+are refused in one line that shows the `=` spelling where pytest cannot (fixtures/plugin/path_options.py)."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fixtures import proxies as P
-from fixtures.path_options import normalised
+from fixtures.models import proxies as P
+from fixtures.plugin.path_options import normalised
 
 pytest_plugins = ["pytester"]
 
@@ -38,7 +38,7 @@ def project(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.delenv("HYPOTHESIS_PROFILE", raising=False)
     pytester.makeini("[pytest]\naddopts = -p no:cacheprovider\n")
-    pytester.makeconftest('pytest_plugins = ["fixtures.plugin"]\n')
+    pytester.makeconftest('pytest_plugins = ["fixtures.plugin.session"]\n')
     (pytester.path / "tests_c0_inventory").mkdir()
     (pytester.path / "tests_c0_inventory" / "test_a.py").write_text(CHECKS)
     return pytester
@@ -146,7 +146,7 @@ def test_a_separate_existing_path_outside_the_project_is_refused_with_the_equals
     value = {"--model": model_dir(tmp_path / "mine"), "--xfails": tmp_path / "known.txt", "--report": tmp_path}[option]
     if option == "--xfails":
         value.write_text("x  # reason\n")
-    res = project.runpytest_subprocess("-p", "fixtures.path_options", option, str(value), "--co")
+    res = project.runpytest_subprocess("-p", "fixtures.plugin.path_options", option, str(value), "--co")
     one_line(res, f"{option} {value}: pytest read the separate value as a test path", f"write {option}={value}")
 
 
@@ -156,7 +156,7 @@ def test_the_real_command_line_with_separate_values(tmp_path):
     repository is refused in one line."""
     rep, model = tmp_path / "x", model_dir(tmp_path / "mine")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
-    base = [sys.executable, "-m", "pytest", "-p", "fixtures.path_options", "-m", "C1", "-q"]
+    base = [sys.executable, "-m", "pytest", "-p", "fixtures.plugin.path_options", "-m", "C1", "-q"]
     ok = subprocess.run(base + ["--model", "qwen3", "--report", str(rep), "-k", "reproducible"],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
@@ -172,7 +172,7 @@ def test_the_real_command_line_with_separate_values(tmp_path):
 def test_the_guard_is_a_pytest11_entry_point():
     import tomllib
     doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert doc["project"]["entry-points"]["pytest11"] == {"fixtures.path_options": "fixtures.path_options"}
+    assert doc["project"]["entry-points"]["pytest11"] == {"fixtures.plugin.path_options": "fixtures.plugin.path_options"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,8 +246,8 @@ def test_engine_dummy_header(project, tmp_path):
 # 5. the contract self-test on a recipe name / a config-only directory
 # ---------------------------------------------------------------------------------------------
 def test_selftest_accepts_recipes_and_config_only_dirs(tmp_path):
-    from fixtures.reference import ReferenceImplementation
-    from fixtures.selftest import check_implementation
+    from fixtures.reference.implementation import ReferenceImplementation
+    from fixtures.checks.selftest import check_implementation
     impl = ReferenceImplementation()
     assert "trainer" in check_implementation(impl, "llama")
     d = model_dir(tmp_path / "cfg", P.RECIPES["llama"])

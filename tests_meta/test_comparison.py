@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fixtures.comparison import (BitwiseMismatch, assert_bitwise, compare, float_hex, parity_metrics,
+from fixtures.core.comparison import (BitwiseMismatch, assert_bitwise, compare, float_hex, parity_metrics,
                                  ulp_distance)
 
 

@@ -1,6 +1,6 @@
-"""The planted-fault matrix: every fault in fixtures.faults goes red at its gate, not earlier.
+"""The planted-fault matrix: every fault in fixtures.faults.catalog goes red at its gate, not earlier.
 
-Each row switches one fault in (`-p fixtures.fault_plugin --plant-fault NAME`) and runs the real
+Each row switches one fault in (`-p fixtures.faults.plugin --plant-fault NAME`) and runs the real
 gate chain (`--upto <the fault's gate>`) on one tiny proxy, then reads the verdicts:
 - every gate before the fault's gate that has checks today must have all of them pass
   (the fault must not trip an earlier gate - that would be a mis-attributed catch);
@@ -11,7 +11,7 @@ in a MatrixPending warning, and becomes fully checked as that gate arrives - no 
 
 Speed: a row runs every check of every gate up to the fault's gate, which takes minutes once the
 engine gates exist (C2 alone is about a minute on the CPU lane). By default ('quick') the chain runs
-for the QUICK rows - one per kind, up to C1 - and the other rows say how to run them; `-p fixtures.fault_plugin --fault-matrix full`
+for the QUICK rows - one per kind, up to C1 - and the other rows say how to run them; `-p fixtures.faults.plugin --fault-matrix full`
 runs every row up to its gate. The inner runs happen in this process (pytest.main, see _run_chain).
 
 Beside it, the faults are checked directly where their component can be driven without the
@@ -25,16 +25,18 @@ import time
 import tomllib
 import warnings
 
-from fixtures.faults import MatrixPending  # importable by the xdist controller, which rebuilds warnings
+from fixtures.faults.catalog import MatrixPending  # importable by the xdist controller, which rebuilds warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from fixtures import environment, faults
-from fixtures.contract import Completion, EngineStats, Request, Sample, SamplingParams
-from fixtures.faults import FAULTS, FaultUnavailable
-from fixtures.gates import GATE_ORDER, gate_index
+from fixtures.core import environment
+
+from fixtures.faults import catalog as faults
+from fixtures.core.contract import Completion, EngineStats, Request, Sample, SamplingParams
+from fixtures.faults.catalog import FAULTS, FaultUnavailable
+from fixtures.core.gates import GATE_ORDER, gate_index
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +105,7 @@ def _run_chain_here(tmp_path, fault, upto: str, *, model: str | None = None) -> 
     plant = ["--plant-fault", fault.name] if fault else []
     try:
         ret = pytest.main(
-            ["-p", "fixtures.fault_plugin", *plant, "--model", model, "--upto", upto, "--report", str(report), "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
+            ["-p", "fixtures.faults.plugin", *plant, "--model", model, "--upto", upto, "--report", str(report), "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
              "--basetemp", str(tmp_path / "inner"), "-p", "no:cacheprovider", "--hypothesis-profile",
              "fault-matrix", "-q", *_gate_paths()], plugins=[rec])
     finally:
@@ -130,7 +132,7 @@ def test_chain_goes_red_at_the_faults_gate(name, tmp_path, pytestconfig):
     full = pytestconfig.getoption("--fault-matrix", "quick") == "full"
     if not full and name not in QUICK:
         pytest.skip(f"quick matrix: {name}'s chain (C0..{fault.gate}) runs with "
-                    "-p fixtures.fault_plugin --fault-matrix full")
+                    "-p fixtures.faults.plugin --fault-matrix full")
     if fault.kind == "kernel":
         try:
             fault.plant(None)()
@@ -172,7 +174,7 @@ def test_chain_goes_red_at_the_faults_gate(name, tmp_path, pytestconfig):
         assert any(_names(failure, n) for n in names), (
             f"{fault.gate} caught {fault.name} but its failure does not name {' or '.join(names)}: both sides "
             f"of that check can be traced, so it must say where they part (assert_bitwise(..., "
-            f"localise=...) with fixtures.localise):\n{failure[:4000]}")
+            f"localise=...) with fixtures.diagnose.localise):\n{failure[:4000]}")
 
 
 def _names(text: str, name: str) -> bool:

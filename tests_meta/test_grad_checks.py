@@ -1,4 +1,4 @@
-"""The C8 machinery itself (fixtures.grad_checks): the bound passes correct backwards and fails each
+"""The C8 machinery itself (fixtures.checks.grad_checks): the bound passes correct backwards and fails each
 planted wrong one with a message that stands alone; ops_without_backward tells an op with a
 backward from one without, on synthetic ops; the determinism checks see nondeterminism."""
 from __future__ import annotations
@@ -8,12 +8,12 @@ import re
 import pytest
 import torch
 
-from fixtures import grad_checks as G
-from fixtures import kernels as K
-from fixtures.comparison import BitwiseMismatch
-from fixtures.grad_checks import GradShape
-from fixtures.inventory import Inventory, OpEntry
-from fixtures.invariant_mode import batch_invariant_mode
+from fixtures.checks import grad_checks as G
+from fixtures.reference import kernels as K
+from fixtures.core.comparison import BitwiseMismatch
+from fixtures.checks.grad_checks import GradShape
+from fixtures.checks.inventory import Inventory, OpEntry
+from fixtures.reference.invariant_mode import batch_invariant_mode
 
 SHAPES = (GradShape(), GradShape(rows=100, width=17, out=8, inner=3, seed=7),
           GradShape(rows=257, width=512, out=48, inner=4, seed=1), GradShape(rows=1, width=1, out=1, inner=1, seed=3))

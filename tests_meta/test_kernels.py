@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures import kernel_checks as checks
-from fixtures.comparison import assert_bitwise
-from fixtures import kernels as K
-from fixtures.inventory import Inventory, OpEntry, kernel_table_problems, take_inventory
-from fixtures.invariant_mode import BatchInvariantMode, active_mode, batch_invariant_mode, routes
-from fixtures.kernel_table import BUILTIN, KernelPolicy, Policy, claimed_kernels
-from fixtures.proxies import RECIPES, build_proxy
-from fixtures.tracing import OpTracer
+from fixtures.checks import kernel_checks as checks
+from fixtures.core.comparison import assert_bitwise
+from fixtures.reference import kernels as K
+from fixtures.checks.inventory import Inventory, OpEntry, kernel_table_problems, take_inventory
+from fixtures.reference.invariant_mode import BatchInvariantMode, active_mode, batch_invariant_mode, routes
+from fixtures.core.kernel_table import BUILTIN, KernelPolicy, Policy, claimed_kernels
+from fixtures.models.proxies import RECIPES, build_proxy
+from fixtures.diagnose.tracing import OpTracer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ def llama_dir(tmp_path_factory):
 def test_both_ways_catches_an_op_the_mode_does_not_serve(llama_dir):
     """A mode that lacks aten.mm (the stock GEMM runs) fails the both-ways check, naming the op,
     the module class and the claimed kernel."""
-    from fixtures.proxies import load_model
+    from fixtures.models.proxies import load_model
     model = load_model(llama_dir)
     table = dict(BUILTIN)
     mode_table = {k: v for k, v in table.items() if k != "aten.mm"}
@@ -201,7 +201,7 @@ def test_sequence_alone_equals_in_padded_batch_of_8(recipe, tmp_path):
     """Under the mode, an unmodified model gives finite logits, and a sequence's logprobs are the
     same bits alone and at any row of a right-padded batch of 8 (the trainer's padded layout);
     forward bits are the same with autograd on."""
-    from fixtures.hf_trainer import HFTrainer
+    from fixtures.reference.hf_trainer import HFTrainer
     spec = build_proxy(recipe, "tiny", tmp_path / recipe)
     trainer = HFTrainer(spec.path, kernel_mode=batch_invariant_mode)
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""The first-diverging-op localisation (fixtures.localise) on tiny proxies.
+"""The first-diverging-op localisation (fixtures.diagnose.localise) on tiny proxies.
 
 THE DEMONSTRATION: a llama tiny proxy runs one request alone and the same request as row 5 of a
 64-row batch, under the batch-invariant mode (stock fp32 CPU GEMM is batch-variant from 2 rows,
@@ -15,13 +15,13 @@ import time
 import pytest
 import torch
 
-from fixtures.comparison import BitwiseMismatch, assert_bitwise
-from fixtures.faults import FAULTS
-from fixtures.localise import Rows, localise
-from fixtures.proxies import build_proxy, load_model
+from fixtures.core.comparison import BitwiseMismatch, assert_bitwise
+from fixtures.faults.catalog import FAULTS
+from fixtures.diagnose.localise import Rows, localise
+from fixtures.models.proxies import build_proxy, load_model
 
 try:
-    from fixtures.invariant_mode import batch_invariant_mode
+    from fixtures.reference.invariant_mode import batch_invariant_mode
 except ImportError:  # pragma: no cover - the mode is part of the suite; this keeps the demo alive without it
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -267,7 +267,7 @@ def test_trainer_vs_engine_with_other_gemm_tiling(llama_dir, llama, batch):
 
 
 def test_trainer_log_softmax_precision_is_named(llama_dir):
-    from fixtures.hf_trainer import HFTrainer
+    from fixtures.reference.hf_trainer import HFTrainer
     fault = FAULTS["trainer_log_softmax_fp64"]
     plain = HFTrainer(llama_dir, kernel_mode=batch_invariant_mode)
     faulty = fault.wrap_trainer(HFTrainer(llama_dir, kernel_mode=batch_invariant_mode))
@@ -279,7 +279,7 @@ def test_trainer_log_softmax_precision_is_named(llama_dir):
 
 @pytest.mark.parametrize("name", ["matmul_split_k_rows", "rms_norm_blocks_256"])
 def test_kernel_variant_is_named_where_the_model_first_uses_it(llama, batch, name):
-    """A variant kernel swapped into fixtures.kernels.KERNELS (served by the invariant mode) is
+    """A variant kernel swapped into fixtures.reference.kernels.KERNELS (served by the invariant mode) is
     named at its first use in the model: 448 rows cross both thresholds (64 rows, 256 tokens)."""
     fault = FAULTS[name]
     with fault.active():
@@ -311,10 +311,10 @@ def test_engine_rows_name_the_module_where_a_batch_changes_a_request(tmp_path):
     """C3's engine-side localisation: a request alone vs inside a batch, module output rows of its
     tokens compared in call order. Clean engine: nothing differs; with the planted batch-wide MoE
     activation scale, the experts module is named (the fault's module)."""
-    from fixtures.contract import Request, SamplingParams
-    from fixtures.localise import localise_in_engine
-    from fixtures.proxies import build_proxy
-    from fixtures.reference_engine import ReferenceEngine
+    from fixtures.core.contract import Request, SamplingParams
+    from fixtures.diagnose.localise import localise_in_engine
+    from fixtures.models.proxies import build_proxy
+    from fixtures.reference.engine import ReferenceEngine
     spec = build_proxy("qwen3_moe", "tiny", tmp_path / "moe", seed=0)
     engine = ReferenceEngine(spec.path)
     needle = Request("needle", (5, 9, 200, 31, 7), SamplingParams(max_tokens=3))

@@ -1,4 +1,4 @@
-"""Meta tests of fixtures/mamba_replay.py: the exact-replay Mamba-2 mixer the reference engine and
+"""Meta tests of fixtures/reference/mamba_replay.py: the exact-replay Mamba-2 mixer the reference engine and
 trainer share. Bitwise only between its own paths (prefill, decode, splits, packing); against
 transformers' torch path with a tolerance (it is the same model, not the same rounding)."""
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures import mamba_replay as R
-from fixtures.comparison import assert_bitwise
-from fixtures.invariant_mode import batch_invariant_mode
-from fixtures.proxies import build_proxy, load_model
+from fixtures.reference import mamba_replay as R
+from fixtures.core.comparison import assert_bitwise
+from fixtures.reference.invariant_mode import batch_invariant_mode
+from fixtures.models.proxies import build_proxy, load_model
 
 MODELS = ("mamba2", "nemotron_h")     # nemotron_h: n_groups = 2 (heads share B/C by group)
 

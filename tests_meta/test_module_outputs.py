@@ -1,4 +1,4 @@
-"""fixtures.module_outputs: recording every module's first output with hooks, and naming the
+"""fixtures.diagnose.module_outputs: recording every module's first output with hooks, and naming the
 first differing point between two recordings (C7's module-by-module localisation) - checked both
 ways: equal recordings pass, a planted one-ULP change is named exactly, with hex and ULP."""
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures import kernels as K
-from fixtures import module_outputs as MO
-from fixtures import proxies as P
-from fixtures import vllm_trainer as VT
+from fixtures.reference import kernels as K
+from fixtures.diagnose import module_outputs as MO
+from fixtures.models import proxies as P
+from fixtures.vllm import trainer as VT
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +211,7 @@ def test_request_rows_alone_vs_in_a_batch(variant):
     """Rows of one prompt recorded alone and inside a batch (split over two steps, as a chunked
     prefill would): equal for a row-wise model; with the planted op, the first position computed
     in a step of another size (3: the second step has 3 tokens, the lone prompt 5) at `norm`."""
-    from fixtures.localise import EngineRows
+    from fixtures.diagnose.localise import EngineRows
     torch.manual_seed(0)
     model = _Step(variant)
     prompt = [7, 3, 9, 9, 4]

@@ -48,7 +48,7 @@ def suite(pytester, monkeypatch):
 
 
 def run(pytester, *args):
-    return pytester.runpytest_inprocess("-p", "fixtures.plugin", "--model", "llama", "-p", "no:cacheprovider", *args)
+    return pytester.runpytest_inprocess("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider", *args)
 
 
 def test_upto_blocks_later_gates_and_reports(suite):
@@ -120,13 +120,13 @@ def test_header_echoes_the_implementation(suite):
     (["--model=/no/such/model/dir"], "no such directory"),
     (["--model=unknown_arch"], "no such directory (built-in recipes: "),
     (["--impl", "no_such_module:make"], "cannot import module 'no_such_module'"),
-    (["--impl", "fixtures.gates:GATES"], "has no callable 'GATES'"),
+    (["--impl", "fixtures.core.gates:GATES"], "has no callable 'GATES'"),
     (["--impl", "noformat"], "expected a built-in name"),
     (["--upto", "C99"], "unknown gate 'C99'"),
 ])
 def test_bad_input_is_a_clear_usage_error(suite, args, message):
     pt = suite(fail=False)
-    res = pt.runpytest_inprocess("-p", "fixtures.plugin", "-p", "no:cacheprovider", *args)
+    res = pt.runpytest_inprocess("-p", "fixtures.plugin.session", "-p", "no:cacheprovider", *args)
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     err = res.stderr.str()
     assert message in err, err
@@ -139,7 +139,7 @@ def test_corrupt_and_foreign_model_dirs(suite, tmp_path):
     foreign = tmp_path / "foreign"; foreign.mkdir(); (foreign / "config.json").write_text('{"model_type": "bert"}')
     empty = tmp_path / "empty"; empty.mkdir()
     for d, message in ((bad, "not valid JSON"), (foreign, "no proxy recipe"), (empty, "has no config.json")):
-        res = pt.runpytest_inprocess("-p", "fixtures.plugin", f"--model={d}")
+        res = pt.runpytest_inprocess("-p", "fixtures.plugin.session", f"--model={d}")
         assert res.ret == pytest.ExitCode.USAGE_ERROR and message in res.stderr.str(), res.stderr.str()
 
 
@@ -179,7 +179,7 @@ import time, pytest
 def test_slow():
     time.sleep(60)
 """})
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "fixtures.plugin", "--model", "llama",
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "fixtures.plugin.session", "--model", "llama",
                              "-p", "no:cacheprovider", "--report=rep"], cwd=pt.path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     report = pt.path / "rep" / "report.json"
@@ -201,7 +201,7 @@ def test_slow():
 def test_a_bitwise_failure_leaves_its_difference_in_the_report(suite):
     pt = suite(fail=False, extra={"tests_c8_training/test_d.py": """
 import pytest, torch
-from fixtures.comparison import assert_bitwise
+from fixtures.core.comparison import assert_bitwise
 @pytest.mark.C6
 def test_diff():
     a = torch.tensor([[-1.0, -2.0, -3.0]])

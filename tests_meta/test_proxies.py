@@ -1,4 +1,4 @@
-"""Meta tests of fixtures/proxies.py: the proxies gate C1 relies on are what they claim to be."""
+"""Meta tests of fixtures/models/proxies.py: the proxies gate C1 relies on are what they claim to be."""
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from fixtures import proxies as P  # noqa: E402
+from fixtures.models import proxies as P  # noqa: E402
 
 RECIPES = sorted(P.RECIPES)
 FILES = ("config.json", "model.safetensors")
@@ -44,7 +44,7 @@ def other_process(tmp_path_factory):
     """A build in a fresh interpreter (one thread, another model built first), started before the
     first test so that its start-up overlaps the others; test_..._in_another_process checks it."""
     out_dir = tmp_path_factory.mktemp("other_process")
-    code = ("import sys, torch; torch.set_num_threads(1); from fixtures import proxies as P; "
+    code = ("import sys, torch; torch.set_num_threads(1); from fixtures.models import proxies as P; "
             "P.build_proxy('llama', 'tiny', sys.argv[1] + '/first'); "
             "print(P.build_proxy('qwen3_moe', 'tiny', sys.argv[1] + '/x').weights_sha256)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -305,8 +305,8 @@ def test_op_kinds_twin_follows_the_proxy_dtype(tmp_path):
     """A bf16 proxy (the GPU lane's) casts to fp32 inside its norms and attention; the structure
     twin traced in fp32 would not, so C1 traces the twin in the proxy's dtype (seen on the H200:
     8 `aten._to_copy` kinds "only in the proxy" before this)."""
-    from fixtures import op_kinds
-    from fixtures.reference import ReferenceImplementation
+    from fixtures.checks import op_kinds
+    from fixtures.reference.implementation import ReferenceImplementation
     spec = P.build_proxy("qwen3", "tiny", tmp_path / "p", seed=0, dtype=torch.bfloat16)
     model = ReferenceImplementation(dtype=torch.bfloat16).make_trainer(spec.path).module()
     attn = model.config._attn_implementation
@@ -319,8 +319,8 @@ def test_op_kinds_twin_follows_the_proxy_dtype(tmp_path):
 def test_engine_dummy_proxy_is_config_only(tmp_path):
     """--proxy-weights engine-dummy: config.json and the marker, no weight files; vLLM is told to
     draw its own weights; every loader that needs files says n/a instead of failing deep inside."""
-    from fixtures import vllm_engine as ve
-    from fixtures.contract import EngineSettings
+    from fixtures.vllm import engine as ve
+    from fixtures.core.contract import EngineSettings
     spec = P.build_engine_dummy("qwen3_moe", "full", tmp_path / "d")
     assert sorted(p.name for p in spec.path.iterdir()) == ["config.json", "proxy.json"]
     assert P.is_engine_dummy(spec.path) and spec.num_parameters > 30e9 and len(spec.layer_kinds) == 48

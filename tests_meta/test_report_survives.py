@@ -16,7 +16,7 @@ import pytest
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ("-p", "fixtures.plugin", "--model", "llama", "-p", "no:cacheprovider")
+ARGS = ("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider")
 
 
 @pytest.fixture
@@ -236,7 +236,7 @@ def test_c_out_of_memory_is_an_error_not_a_check_failure(suite, xdist):
 
 
 def test_verdict_rules_for_crashes_oom_and_unfinished_checks():
-    from fixtures.verdicts import CheckResult, all_passed, gate_verdicts, overall
+    from fixtures.core.verdicts import CheckResult, all_passed, gate_verdicts, overall
 
     def r(gate, outcome, name, reason=""):
         return CheckResult(f"t::{name}", gate, "m", outcome, reason)

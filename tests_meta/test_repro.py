@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from fixtures.faults import get
-from fixtures.localise import Rows, localise
-from fixtures.proxies import build_proxy
-from fixtures.reference import ReferenceImplementation
-from fixtures.repro import capture_first_call, write_repro
+from fixtures.faults.catalog import get
+from fixtures.diagnose.localise import Rows, localise
+from fixtures.models.proxies import build_proxy
+from fixtures.reference.implementation import ReferenceImplementation
+from fixtures.diagnose.repro import capture_first_call, write_repro
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.contract import ContractError
-from fixtures.proxies import build_proxy
-from fixtures.reference import ReferenceImplementation
-from fixtures.selftest import check_implementation
+from fixtures.core.contract import ContractError
+from fixtures.models.proxies import build_proxy
+from fixtures.reference.implementation import ReferenceImplementation
+from fixtures.checks.selftest import check_implementation
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,6 @@ def test_broken_adapters_are_named(llama_dir, wrapper, message):
 
 
 def test_user_adapter_loads_through_impl_option():
-    from fixtures.impl import load_implementation
-    impl = load_implementation("fixtures.reference:ReferenceImplementation")
+    from fixtures.core.loader import load_implementation
+    impl = load_implementation("fixtures.reference.implementation:ReferenceImplementation")
     assert impl.name == "reference" and impl.dtype() == torch.float32

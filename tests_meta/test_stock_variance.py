@@ -1,4 +1,4 @@
-"""fixtures.stock_variance: the planted CPU whose stock GEMMs round by call shape - checked both
+"""fixtures.faults.stock_variance: the planted CPU whose stock GEMMs round by call shape - checked both
 ways: a stock row differs between a 5-row and a 3-row call (the AVX-512 MKL behaviour that once
 turned a self-test red), same-shape calls still agree, an inner dimension of 1 is left exact, and
 the suite's own tile GEMM stays row-invariant under it."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from fixtures import kernels as K
-from fixtures.stock_variance import ShapeVariantStockGEMM
+from fixtures.reference import kernels as K
+from fixtures.faults.stock_variance import ShapeVariantStockGEMM
 
 
 def _xw(rows=5, k=16, n=24, seed=0):

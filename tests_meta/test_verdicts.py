@@ -1,7 +1,7 @@
 """Verdict rules: pass / fail / blocked by Ck / missing / not run, per model."""
 from __future__ import annotations
 
-from fixtures.verdicts import ALL_MODELS, CheckResult, all_passed, gate_verdicts, overall
+from fixtures.core.verdicts import ALL_MODELS, CheckResult, all_passed, gate_verdicts, overall
 
 
 def r(gate, outcome, model="m", reason="", nodeid=None):

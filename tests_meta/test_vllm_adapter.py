@@ -1,4 +1,4 @@
-"""The vLLM adapter (fixtures.vllm_engine, fixtures.vllm_worker) without vLLM: the settings and
+"""The vLLM adapter (fixtures.vllm.engine, fixtures.vllm.worker) without vLLM: the settings and
 sampling mappings, RequestOutput -> Completion on objects shaped like vLLM 0.26's, the worker
 protocol end to end through the worker's fake backend (errors, crashes and hangs come back as
 clear exceptions), engine reuse, and the "n/a" skip where vLLM or CUDA is missing. The tests
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import vllm_engine as ve
-from fixtures.contract import ContractError, EngineSettings, Request, SamplingParams
+from fixtures.vllm import engine as ve
+from fixtures.core.contract import ContractError, EngineSettings, Request, SamplingParams
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -337,7 +337,7 @@ def test_worker_errors_come_back_with_traceback(model_dir, tmp_path):
     with ve.VLLMEngine(model_dir, fake="error_generate", log_dir=tmp_path) as eng:
         with pytest.raises(ve.VLLMWorkerError, match="ValueError: fake generate failure") as info:
             eng.generate(_reqs())
-        assert "worker traceback" in str(info.value) and "vllm_worker.py" in str(info.value)
+        assert "worker traceback" in str(info.value) and "fixtures/vllm/worker.py" in str(info.value)
         assert "in generate" in str(info.value)
         assert eng.alive, "an error reply leaves the worker usable"
 
@@ -426,7 +426,7 @@ def test_describe_does_not_import_vllm():
 
 
 def test_builtin_name_and_factories():
-    from fixtures.impl import load_implementation
+    from fixtures.core.loader import load_implementation
     assert isinstance(load_implementation("vllm"), ve.VLLMImplementation)
     assert ve.triton_attn().defaults.attention_backend == "TRITON_ATTN"
     assert ve.native_defaults().defaults.cuda_graphs and ve.native_defaults().defaults.compilation
@@ -511,7 +511,7 @@ def real_impl():
 def _small_config(kind: str) -> dict:
     """Small models with the real head_dim (128, as FA3 wants): dense qwen3 runs on vLLM's V2 model
     runner, qwen3_moe on the V1 runner (config/vllm.py:604-622), so both probe paths are covered."""
-    from fixtures.proxies import RECIPES
+    from fixtures.models.proxies import RECIPES
     common = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=4096, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
     if kind == "dense":
@@ -522,7 +522,7 @@ def _small_config(kind: str) -> dict:
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def small_model(request, tmp_path_factory):
-    from fixtures.proxies import build_proxy
+    from fixtures.models.proxies import build_proxy
     if not torch.cuda.is_available():       # nothing to build for a test that will skip
         return None
     src = tmp_path_factory.mktemp(f"small-{request.param}-src")
@@ -612,7 +612,7 @@ def test_canonical_weights_split_merged_projections():
 def test_weight_push_through_the_worker_protocol(model_dir, tmp_path):
     """load_weights travels as a safetensors file to the worker, weight_hashes come back under the
     names pushed (fake backend: the real one reloads through vLLM's runner)."""
-    from fixtures.hf_trainer import tensor_sha256
+    from fixtures.reference.hf_trainer import tensor_sha256
     weights = {"model.embed_tokens.weight": torch.randn(10, 4, dtype=torch.bfloat16),
                "model.norm.weight": torch.ones(4, dtype=torch.bfloat16)}
     with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
@@ -676,7 +676,7 @@ def test_record_rows_through_the_worker_protocol(model_dir, tmp_path):
     generate(); alone vs in a batch, the first differing point is named (fake backend: its
     'model.norm' row carries the batch size). n/a at TP>1; the engine reports its TP degree."""
     from dataclasses import replace
-    from fixtures.localise import localise_in_engine
+    from fixtures.diagnose.localise import localise_in_engine
     needle = Request("needle", (3, 1, 4), SamplingParams(max_tokens=2))
     batch = [Request("a", (9, 9), SamplingParams(max_tokens=2)), needle]
     with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:

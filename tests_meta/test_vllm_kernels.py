@@ -1,4 +1,4 @@
-"""fixtures.vllm_kernels without a GPU: reading a profiler trace (kernel -> launch -> innermost op,
+"""fixtures.vllm.kernels without a GPU: reading a profiler trace (kernel -> launch -> innermost op,
 module and phase), the kernel table on the kernel names vLLM 0.26 launches on Hopper, the
 inventory's claims both ways, and the kernel_inventory command end to end through the worker's
 fake backend. The GPU side runs in tests_c0_inventory/test_c0_engine_kernels.py and
@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from fixtures import vllm_engine as ve
-from fixtures import vllm_kernels as VK
-from fixtures.kernel_table import Policy
+from fixtures.vllm import engine as ve
+from fixtures.vllm import kernels as VK
+from fixtures.core.kernel_table import Policy
 
 
 def _x(cat, name, ts, dur, tid=1, **args):
@@ -123,7 +123,7 @@ def test_kernel_inventory_through_the_worker_protocol(tmp_path):
     d = tmp_path / "model"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000, "eos_token_id": 7}))
-    from fixtures.contract import Request, SamplingParams
+    from fixtures.core.contract import Request, SamplingParams
     with ve.VLLMEngine(d, fake="echo", log_dir=tmp_path) as eng:
         inv = eng.kernel_inventory([Request("a", (1, 2, 3), SamplingParams(max_tokens=2))], model="fake")
     assert inv.launches == 4
@@ -133,7 +133,7 @@ def test_kernel_inventory_through_the_worker_protocol(tmp_path):
 
 
 def test_kernel_inventory_refuses_graphs(tmp_path):
-    from fixtures.contract import EngineSettings
+    from fixtures.core.contract import EngineSettings
     d = tmp_path / "model"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000, "eos_token_id": 7}))
@@ -146,7 +146,7 @@ def test_refused_invariance_is_a_clear_red_not_a_skip(tmp_path):
     """vLLM 0.26 refuses VLLM_BATCH_INVARIANT=1 for Mamba backends at start-up: the adapter turns
     that into VLLMInvarianceRefused (a failure naming vLLM's reason), while the same model with
     invariance off starts (the controls show what users get)."""
-    from fixtures.contract import EngineSettings
+    from fixtures.core.contract import EngineSettings
     d = tmp_path / "model"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "nemotron_h", "vocab_size": 1000, "eos_token_id": 7}))
@@ -191,7 +191,7 @@ def test_kernel_worker_protocol_and_row_check(tmp_path):
     rows with both hex values (below 64 rows the fake's stock CPU GEMM varies too: it is only the
     protocol that is under test here), a kernel that re-rounds one row in 37 is caught although no
     probe row is among them, an unknown case comes back as a clear error, not a hang."""
-    from fixtures.comparison import BitwiseMismatch
+    from fixtures.core.comparison import BitwiseMismatch
     dims = {"hidden": 64, "intermediate": 32, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 100,
             "experts": 0, "top_k": 0, "moe_intermediate": 0}
     worker = VK.KernelWorker(batch_invariant=True, dims=dims, log_dir=tmp_path, fake="echo")

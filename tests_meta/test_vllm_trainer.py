@@ -1,18 +1,18 @@
-"""fixtures.vllm_trainer on the CPU: the engine-layout forward (vLLM's op order: merged QKV and
+"""fixtures.vllm.trainer on the CPU: the engine-layout forward (vLLM's op order: merged QKV and
 gate-up GEMMs, per-head q/k norm, flat neox rotary, fused residual-add norms) computes the same
 model as transformers, forward and backward, with the plain-torch provider; kernel_op gives the
 kernel's forward bits and the reference's gradient; unsupported models are "n/a". The GPU provider
-(vLLM's own kernels) is exercised by gate C7 with --impl fixtures.vllm_engine:engine_kernel_trainer."""
+(vLLM's own kernels) is exercised by gate C7 with --impl fixtures.vllm.engine:engine_kernel_trainer."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fixtures import kernels as K
-from fixtures import proxies as P
-from fixtures import vllm_trainer as VT
-from fixtures.contract import Layout
-from fixtures.hf_trainer import HFTrainer, token_logprobs
+from fixtures.reference import kernels as K
+from fixtures.models import proxies as P
+from fixtures.vllm import trainer as VT
+from fixtures.core.contract import Layout
+from fixtures.reference.hf_trainer import HFTrainer, token_logprobs
 
 SEQS = [[5, 17, 3, 99, 250, 7, 8], [1, 2], [400, 12, 12, 12, 60]]
 
@@ -120,7 +120,7 @@ def test_packed_only(proxy_dir):
 def test_engine_model_runner_follows_vllm_rules(monkeypatch):
     """V2 for dense models, V1 for Qwen3-MoE and hybrids (vLLM 0.26, config/vllm.py:550);
     VLLM_USE_V2_MODEL_RUNNER overrides."""
-    from fixtures.proxies import source_config
+    from fixtures.models.proxies import source_config
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     got = {m: VT.engine_model_runner(source_config(m)) for m in ("qwen3", "llama", "qwen3_moe", "nemotron_h", "mamba2")}
     assert got == {"qwen3": "v2", "llama": "v2", "qwen3_moe": "v1", "nemotron_h": "v1", "mamba2": "v1"}
@@ -129,7 +129,7 @@ def test_engine_model_runner_follows_vllm_rules(monkeypatch):
 
 
 def test_hf_rotary_is_transformers_rotary_bit_for_bit(proxy_dir):
-    """The transformers-backend trainer's rotary (fixtures.vllm_trainer.hf_rotary) equals
+    """The transformers-backend trainer's rotary (fixtures.vllm.trainer.hf_rotary) equals
     transformers' own rotary_emb + apply_rotary_pos_emb in bf16, bit for bit (CPU, torch.bmm)."""
     from transformers import AutoConfig
     from transformers.models.qwen3 import modeling_qwen3 as mq
@@ -261,7 +261,7 @@ def test_module_outputs_in_a_batch_name_a_token_count_switch(proxy_dir):
     micro-batch of 300 tokens; a norm that switches at 256 rows is named, with what is upstream
     of it equal; a clean provider shows every point equal (dense only: the plain-torch MoE reference
     groups tokens per expert, and CPU GEMMs round by row count)."""
-    from fixtures.module_outputs import compare_module_outputs
+    from fixtures.diagnose.module_outputs import compare_module_outputs
     seqs = [list(range(1, 40)), [7] * 200, [5, 9, 11] * 20]
     cases = [(_NormSwitchAt256, "model.layers.0.post_attention_layernorm")]
     if "moe" not in proxy_dir.name:
