@@ -1,6 +1,6 @@
 """The suite's fixtures: the documented contract between the gates and the system under test.
 
-The plugin machinery (options, gate markers, verdicts, report) lives in fixtures/plugin/session.py. This
+The plugin machinery (options, gate markers, verdicts, report) lives in fixtures/plugin/. This
 file holds the fixtures tests use; their docstrings say exactly what an implementation must
 provide. A third party implements `fixtures.core.contract.Implementation` and passes
 `--impl package.module:factory`; nothing here needs to change.
@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["fixtures.plugin.session", "fixtures.faults.plugin"]
+# The plugin's hook modules (fixtures/plugin/session.py says what each does); --plant-fault and
+# --stock-gemm come from fixtures.plugin.faults.
+pytest_plugins = ["fixtures.plugin.session", "fixtures.plugin.options", "fixtures.plugin.collection",
+                  "fixtures.plugin.results", "fixtures.plugin.faults"]
 
 
 @pytest.fixture(scope="session")
@@ -21,8 +24,10 @@ def impl(pytestconfig):
     Must provide describe() -> dict, device() -> str, dtype() -> torch.dtype,
     make_trainer(model_dir) -> Trainer, make_engine(model_dir, EngineSettings) -> Engine
     (NotImplementedError where it has no engine: engine checks then skip with that reason).
+    Optional capabilities (fixtures.core.contract): HasKernelMode, ProvidesKernels,
+    ChecksEngineKernels; a check that needs one the implementation lacks is n/a, naming it.
     """
-    from fixtures.plugin.session import STATE
+    from fixtures.plugin.state import STATE
     return pytestconfig.stash[STATE]["impl"]
 
 
@@ -42,7 +47,7 @@ def proxy(model_name, pytestconfig, tmp_path_factory, impl):
     with config.json + model.safetensors (seeded random weights, token ids only), built once per
     session. Engines and trainers load it from `path`."""
     from fixtures.models.proxies import build_engine_dummy, build_proxy
-    from fixtures.plugin.session import model_id
+    from fixtures.plugin.state import model_id
     dummy = pytestconfig.getoption("--proxy-weights") == "engine-dummy"
     _check_proxy_fits(model_name, pytestconfig.getoption("--proxy"), impl, copies=1 if dummy else 2)
     out = tmp_path_factory.mktemp(f"proxy-{model_id(model_name)}")
@@ -74,8 +79,8 @@ def _check_proxy_fits(model_name, size, impl, copies: int = 2) -> None:
 
 def skip_not_available(exc: NotImplementedError, what: str):
     """An implementation's NotImplementedError is a declared "n/a" skip, with its own reason."""
-    msg = str(exc)
-    pytest.skip(msg if msg.startswith("n/a") else f"n/a ({what}): {msg}")
+    from fixtures.core.outcomes import not_available
+    not_available(exc, what)
 
 
 @pytest.fixture(scope="session")
@@ -122,35 +127,40 @@ def inventory(trainer, proxy, model_name, impl, artifact_dir):
     backward), traced once per model inside the implementation's kernel mode so it also records
     which kernel served each op; written into the report. Gates C0 and C8 read it."""
     from fixtures.checks.inventory import take_inventory
-    from fixtures.plugin.session import model_id
-    if hasattr(trainer, "kernel_inventory"):
-        pytest.skip("n/a: this trainer runs the engine's kernels outside torch dispatch, so its aten trace is not "
-                    "what it runs; C0 checks its forward kernels against the engine's instead "
-                    "(test_c0_engine_kernels.py::test_trainer_forward_runs_the_engine_kernels)")
+    from fixtures.core.contract import HasKernelMode, RunsEngineKernels
+    from fixtures.plugin.state import model_id
+    if isinstance(trainer, RunsEngineKernels):
+        from fixtures.core.outcomes import not_applicable
+        not_applicable("the trainer is RunsEngineKernels: it runs the engine's kernels outside torch dispatch, so "
+                       "its aten trace is not what it runs; C0 checks its forward kernels against the engine's "
+                       "instead (test_c0_engine_kernels.py::test_trainer_forward_runs_the_engine_kernels)",
+                       capability=RunsEngineKernels)
     inv = take_inventory(trainer.module(), model_id(model_name), vocab_size=proxy.config.vocab_size,
-                         table=impl.kernel_table(), kernel_mode=getattr(impl, "kernel_mode", None))
+                         table=impl.kernel_table(),
+                         kernel_mode=impl.kernel_mode if isinstance(impl, HasKernelMode) else None)
     inv.write(artifact_dir, f"inventory-{model_id(model_name)}")
     return inv
 
 
 @pytest.fixture(scope="session")
 def engine_kernel_inventory(engine_factory, proxy, model_name, artifact_dir):
-    """The engine's own kernels (engines exposing `kernel_inventory`, i.e. vLLM): every CUDA
-    kernel launched for a prefill + decode + sampling workload, with the op, module class and
-    phase that launched it (fixtures.vllm.kernels.KernelInventory); written into the report.
-    C0 maps each kernel; C2 checks the cases the kernels map to. Skips "n/a" for engines
-    without the method (the reference engine runs the trainer's kernels)."""
+    """The engine's own kernels (an engine that is InventoriesKernels, i.e. vLLM): every CUDA
+    kernel launched for a prefill + decode + sampling workload
+    (fixtures.checks.workloads.kernel_inventory_workload), with the op, module class and phase that
+    launched it; written into the report. C0 maps each kernel; C2 checks the cases the kernels map
+    to. Skips "n/a" for other engines (the reference engine runs the trainer's kernels)."""
     import json
-    from fixtures.core.contract import EngineSettings
-    from fixtures.plugin.session import model_id
-    from fixtures.vllm.kernels import inventory_workload
+    from fixtures.checks.workloads import kernel_inventory_workload
+    from fixtures.core.contract import EngineSettings, InventoriesKernels
+    from fixtures.plugin.state import model_id
     with engine_factory(EngineSettings(cuda_graphs=False, compilation=False)) as engine:
-        take = getattr(engine, "kernel_inventory", None)
-        if take is None:
-            pytest.skip("n/a: the engine exposes no kernel_inventory (its kernels are the trainer's, "
-                        "inventoried by test_c0_inventory.py)")
+        if not isinstance(engine, InventoriesKernels):
+            from fixtures.core.outcomes import not_applicable
+            not_applicable("the engine is not InventoriesKernels (its kernels are the trainer's, "
+                           "inventoried by test_c0_inventory.py)", capability=InventoriesKernels)
         try:
-            inv = take(inventory_workload(proxy.config.vocab_size), model=model_id(model_name))
+            inv = engine.kernel_inventory(kernel_inventory_workload(proxy.config.vocab_size),
+                                          model=model_id(model_name))
         except NotImplementedError as exc:
             skip_not_available(exc, "no kernel inventory")
     name = f"engine-kernels-{model_id(model_name)}"

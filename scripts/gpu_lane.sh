@@ -54,7 +54,10 @@
 # on after a failure), HYPOTHESIS_PROFILE (ci), CONFORMANCE_VLLM_IDLE_ENGINES (idle engine
 # subprocesses kept for reuse: 4 shallow, 1 full), CONFORMANCE_VLLM_ATTENTION_BACKEND
 # (FLASH_ATTN; TRITON_ATTN for the other backend), CONFORMANCE_VLLM_COMPILED_CUSTOM_OPS (unset: vLLM's
-# choice, which swaps its custom ops for torch-native ones when compiling; "all" keeps them).
+# choice, which swaps its custom ops for torch-native ones when compiling; "all" keeps them),
+# CONFORMANCE_VLLM_LOG_DIR ($RESULTS/vllm-logs). Every pytest gets these four as --vllm-* options
+# (the script unsets the variables, so an option is the only value pytest sees); the adapter's
+# other CONFORMANCE_VLLM_* variables pass through as its environment fallback.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -76,8 +79,14 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_BATCH_INVARIANT=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
-export CONFORMANCE_VLLM_LOG_DIR=${CONFORMANCE_VLLM_LOG_DIR:-$OUT/vllm-logs}
-export CONFORMANCE_VLLM_ATTENTION_BACKEND=${CONFORMANCE_VLLM_ATTENTION_BACKEND:-FLASH_ATTN}
+# the vLLM adapter's knobs: this script's inputs, handed to every pytest as --vllm-* options
+VLLM_LOG_DIR=${CONFORMANCE_VLLM_LOG_DIR:-$OUT/vllm-logs}
+VLLM_BACKEND=${CONFORMANCE_VLLM_ATTENTION_BACKEND:-FLASH_ATTN}
+VLLM_CUSTOM_OPS=${CONFORMANCE_VLLM_COMPILED_CUSTOM_OPS:-}
+IDLE_SHALLOW=${CONFORMANCE_VLLM_IDLE_ENGINES:-4}
+IDLE_FULL=${CONFORMANCE_VLLM_IDLE_ENGINES:-1}
+unset CONFORMANCE_VLLM_LOG_DIR CONFORMANCE_VLLM_ATTENTION_BACKEND CONFORMANCE_VLLM_COMPILED_CUSTOM_OPS \
+  CONFORMANCE_VLLM_IDLE_ENGINES
 
 START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
@@ -115,18 +124,21 @@ else
 fi
 
 status=0
-run_stage() {   # name, then pytest arguments
+run_stage() {   # name, then pytest arguments; IDLE=N before it: idle engines kept (default $IDLE_SHALLOW)
   local name=$1; shift
+  local idle=${IDLE:-$IDLE_SHALLOW}
+  local vllm_opts=(--vllm-log-dir="$VLLM_LOG_DIR" --vllm-attention-backend="$VLLM_BACKEND" --vllm-idle-engines="$idle")
+  [[ -n "$VLLM_CUSTOM_OPS" ]] && vllm_opts+=(--vllm-compiled-custom-ops="$VLLM_CUSTOM_OPS")
   local budget; budget=$(left)
   if (( budget < 60 )); then
     echo "== $name: skipped, only ${budget}s of the lane budget left" | tee -a "$OUT/lane-summary.txt"
     return
   fi
-  echo "== $name ($(date -u +%T), ${budget}s left, idle engines kept: $CONFORMANCE_VLLM_IDLE_ENGINES): pytest $*" \
+  echo "== $name ($(date -u +%T), ${budget}s left, idle engines kept: $idle): pytest $* ${vllm_opts[*]}" \
     | tee -a "$OUT/lane-summary.txt"
   local t0; t0=$(date +%s)
   timeout --signal=TERM --kill-after=20 "$budget" \
-    python -m pytest -p no:cacheprovider "${TIMEOUT_OPT[@]}" -ra --basetemp="/tmp/lane-$name" "$@" \
+    python -m pytest -p no:cacheprovider "${TIMEOUT_OPT[@]}" -ra --basetemp="/tmp/lane-$name" "$@" "${vllm_opts[@]}" \
     > "$OUT/$name.log" 2>&1
   local rc=$?
   (( rc != 0 )) && status=$rc
@@ -136,9 +148,6 @@ run_stage() {   # name, then pytest arguments
 }
 
 ENGINE_GATES=(-m "C3 or C4 or C5")
-IDLE_SHALLOW=${CONFORMANCE_VLLM_IDLE_ENGINES:-4}
-IDLE_FULL=${CONFORMANCE_VLLM_IDLE_ENGINES:-1}
-export CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_SHALLOW
 model_of() { case $1 in *-moe) echo qwen3_moe ;; *) echo qwen3 ;; esac; }
 XDIST=()
 [[ -n "${LANE_XDIST:-}" ]] && XDIST=(-n "$LANE_XDIST")
@@ -164,35 +173,35 @@ for stage in ${@:-c3c4-qwen3 c5-qwen3}; do
         tests_c0_inventory/test_c0_engine_kernels.py tests_c5_invariance/test_c2_vllm_kernels.py \
         --report="$OUT/report-$stage" ;;
     c7-engine-kernels|c7-engine-kernels-moe)
-      run_stage "$stage" --impl fixtures.vllm.engine:engine_kernel_trainer --proxy shallow --model="$model" \
+      run_stage "$stage" --impl fixtures.vllm.implementation:engine_kernel_trainer --proxy shallow --model="$model" \
         -m "C6 or C7 or C9" --durations=10 --report="$OUT/report-$stage" ;;
     c7-transformers-backend)
-      run_stage "$stage" --impl fixtures.vllm.engine:transformers_backend --proxy shallow --model=qwen3 \
+      run_stage "$stage" --impl fixtures.vllm.implementation:transformers_backend --proxy shallow --model=qwen3 \
         -m C7 --durations=10 --report="$OUT/report-$stage" ;;
     c7-full-dummy-qwen3)
-      CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_FULL run_stage "$stage" --impl fixtures.vllm.engine:engine_kernel_trainer \
+      IDLE=$IDLE_FULL run_stage "$stage" --impl fixtures.vllm.implementation:engine_kernel_trainer \
         --proxy full --model=qwen3 -m C7 --durations=10 --report="$OUT/report-$stage" ;;
     c7-tp2-qwen3)
-      run_stage "$stage" --impl fixtures.vllm.engine:tensor_parallel_2_engine_kernels --proxy shallow --model=qwen3 \
+      run_stage "$stage" --impl fixtures.vllm.implementation:tensor_parallel_2_engine_kernels --proxy shallow --model=qwen3 \
         -m C7 --durations=10 --report="$OUT/report-$stage" ;;
     tp2-qwen3)
-      run_stage tp2-qwen3 --impl fixtures.vllm.engine:tensor_parallel_2 --proxy shallow --model=qwen3 \
+      run_stage tp2-qwen3 --impl fixtures.vllm.implementation:tensor_parallel_2 --proxy shallow --model=qwen3 \
         -m "C3 or C4" --durations=10 --report="$OUT/report-tp2-qwen3" ;;
     hybrid)
       run_stage hybrid --impl vllm --proxy shallow --model=nemotron_h -m C3 --durations=10 \
         --report="$OUT/report-hybrid" ;;
     hybrid-full-dummy)
-      CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_FULL run_stage "$stage" --impl vllm --proxy full --proxy-weights engine-dummy \
+      IDLE=$IDLE_FULL run_stage "$stage" --impl vllm --proxy full --proxy-weights engine-dummy \
         --model=nemotron_h -m C3 -k "needle_alone_equals or control_stock" --durations=10 --report="$OUT/report-$stage" ;;
     controls)
       run_stage controls --impl vllm --proxy shallow --model=qwen3 "${ENGINE_GATES[@]}" -k "control" \
         --report="$OUT/report-controls-qwen3" ;;
     full-qwen3)
-      CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_FULL run_stage full-qwen3 \
+      IDLE=$IDLE_FULL run_stage full-qwen3 \
         --impl vllm --proxy full --model=qwen3 -m "C3 or C4" --durations=15 \
         -k "needle or same_batch_twice or decode_equals_prefill or control_stock" --report="$OUT/report-qwen3-full" ;;
     full-dummy-qwen3|full-dummy-moe)
-      CONFORMANCE_VLLM_IDLE_ENGINES=$IDLE_FULL run_stage "$stage" \
+      IDLE=$IDLE_FULL run_stage "$stage" \
         --impl vllm --proxy full --proxy-weights engine-dummy --model="$model" -m "C3 or C4" --durations=15 \
         -k "needle or same_batch_twice or decode_equals_prefill or control_stock" --report="$OUT/report-$stage" \
         "${XDIST[@]}" ;;

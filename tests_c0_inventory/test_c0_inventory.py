@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fixtures.checks.inventory import PHASES, kernel_table_problems
+from fixtures.core.contract import HasKernelMode
+from fixtures.core.outcomes import not_applicable
 
 pytestmark = pytest.mark.C0
 
@@ -42,10 +44,14 @@ def test_kernel_table_both_ways(inventory, impl):
     """The kernel table checked against what the kernel mode really dispatched, both ways: every
     kernel the table claims for an op the model reaches was dispatched for it, and no KERNEL-policy
     op ran stock (slipped through the mode)."""
+    if not isinstance(impl, HasKernelMode):
+        not_applicable(f"the implementation is not HasKernelMode ({impl.name} has no kernel_mode(): nothing says "
+                       "which kernel served an op, so the kernel table cannot be checked against what was really "
+                       "dispatched; see fixtures.reference.implementation.ReferenceImplementation)",
+                       capability=HasKernelMode)
     if not inventory.kernel_mode:
-        pytest.fail(f"{impl.name}: the implementation exposes no kernel_mode() (a zero-argument factory of "
-                    "the context manager its trainer runs under), so the kernel table cannot be checked "
-                    "against what was really dispatched; add one (see fixtures.reference.implementation.ReferenceImplementation)")
+        pytest.fail(f"{impl.name}: kernel_mode() returned no context manager (HasKernelMode: a fresh mode per call, "
+                    "under which its kernels serve every op)")
     if not inventory.served and not inventory.unserved:
         pytest.fail(f"{inventory.kernel_mode} reported nothing served: it must count served ops as "
                     "`served_ops: Counter[(op, kernel)]` and `passed_through: Counter[op]` (fixtures.reference.invariant_mode)")

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from fixtures.checks import op_kinds
+from fixtures.checks.workloads import random_sequences
+from fixtures.core.outcomes import not_applicable
 from fixtures.models.proxies import ENGINE_DUMMY, build_proxy, layer_kinds, source_config
 
 pytestmark = pytest.mark.C1
@@ -43,7 +45,7 @@ def test_experts_exceed_top_k(proxy):
     experts = [getattr(proxy.config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
                if getattr(proxy.config, k, None)]
     if not top_k or not experts:
-        pytest.skip("n/a: no mixture-of-experts layers in this architecture")
+        not_applicable("no mixture-of-experts layers in this architecture")
     assert all(e >= top_k + 1 for e in experts), f"experts {experts} must be >= top_k + 1 = {top_k + 1}"
 
 
@@ -62,8 +64,7 @@ def test_widths_fit_the_lane(proxy, real_config, impl):
 
 
 def test_loads_in_trainer(trainer, proxy):
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, proxy.config.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
+    seqs = random_sequences(proxy.config.vocab_size, (5, 9), seed=0)
     lps = trainer.logprobs(seqs)
     assert [lp.numel() for lp in lps] == [4, 8]
     assert all(torch.isfinite(lp).all() and (lp <= 0).all() for lp in lps)
@@ -86,7 +87,7 @@ def test_op_kinds_equal_real_model(trainer, proxy, real_config):
 
 def test_build_is_reproducible(proxy, model_name, tmp_path, impl):
     if proxy.weights_sha256 == ENGINE_DUMMY:
-        pytest.skip("n/a: an engine-dummy proxy (--proxy-weights engine-dummy) writes no weight files")
+        not_applicable("an engine-dummy proxy (--proxy-weights engine-dummy) writes no weight files")
     again = build_proxy(model_name, proxy.size, tmp_path / "again", seed=proxy.seed, dtype=impl.dtype())
     assert again.weights_sha256 == proxy.weights_sha256, "same seed gave different weight bytes"
     assert (again.path / "config.json").read_bytes() == (proxy.path / "config.json").read_bytes()

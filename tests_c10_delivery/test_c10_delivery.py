@@ -11,7 +11,7 @@ import time
 import pytest
 
 from fixtures.core.contract import EngineSettings
-from fixtures.checks.rollouts import rollout_requests
+from fixtures.checks.workloads import rollout_requests
 
 pytestmark = pytest.mark.C10
 

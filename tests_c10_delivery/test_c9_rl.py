@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from fixtures.core.comparison import BitwiseMismatch
-from fixtures.checks.rollouts import assert_parity, collect, rollout_requests
+from fixtures.core.contract import TrainsRL
+from fixtures.core.outcomes import not_applicable, not_available
+from fixtures.checks.rollouts import assert_parity, collect
+from fixtures.checks.workloads import rollout_requests
 
 pytestmark = pytest.mark.C9
 
@@ -44,13 +47,17 @@ def mismatched_hashes(a: dict, b: dict) -> list[str]:
 def fresh_pair(impl, proxy):
     """A trainer and an engine of their own: C9 changes weights, the session ones stay untouched."""
     trainer = impl.make_trainer(proxy.path)
+    if not isinstance(trainer, TrainsRL):
+        trainer.close()
+        not_applicable("the trainer is not TrainsRL (no train_step / weight_hashes / export_weights: no RL step "
+                       "to take)", capability=TrainsRL)
     try:
         engine = impl.make_engine(proxy.path)
     except NotImplementedError as exc:
         trainer.close()
-        pytest.skip(str(exc) if str(exc).startswith("n/a") else f"n/a (no engine): {exc}")
+        not_available(exc, "no engine")
     if not engine.capabilities().weight_update:
-        pytest.skip("n/a (declared): the engine has no weight update path")
+        not_applicable("the engine has no weight update path", feature="weight_update")
     yield engine, trainer
     engine.close()
     trainer.close()

@@ -1,7 +1,9 @@
-"""Gate C2 on vLLM's own kernels, called directly on the GPU the way the model calls them
-(fixtures.vllm.kernels): for each kernel the C0 engine inventory maps, row r of a call over M
-tokens equals the same row computed alone, at hypothesis-drawn M across the thresholds (always
-including 1, 7, 16, 44, 64, 255, 256, 257 and 1024 tokens), and a second call gives the same bits;
+"""Gate C2 on the engine's own kernels (vLLM's), called directly on the GPU the way the model calls
+them, through the implementation's engine kernel library (ChecksEngineKernels; for vLLM
+fixtures.vllm.kernel_library over fixtures.vllm.kernel_cases): for each kernel the C0 engine
+inventory maps, row r of a call over M tokens equals the same row computed alone, at
+hypothesis-drawn M across the thresholds (always including 1, 7, 16, 44, 64, 255, 256, 257 and
+1024 tokens), and a second call gives the same bits;
 attention: a sequence alone vs inside a ragged batch, a decode query vs its prefill row, a prefill
 split at any point vs unsplit - all over vLLM's paged KV cache with the backend's num_splits.
 
@@ -10,7 +12,8 @@ miss the variant algorithms the real model hits.
 
 Negative controls: the same checks in a VLLM_BATCH_INVARIANT=0 worker must see the stock GEMM
 vary (or say "inconclusive"), and a planted kernel whose arithmetic changes at 64 rows must be
-caught by the row check. Runs only with `--impl vllm` on CUDA; skips with the reason elsewhere.
+caught by the row check. Runs for an implementation that is ChecksEngineKernels (`--impl vllm`)
+on CUDA; n/a, naming the capability, elsewhere.
 """
 from __future__ import annotations
 
@@ -20,22 +23,47 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from fixtures.checks import strategies as S
-from fixtures.vllm import kernels as VK
+from fixtures.checks import workloads as W
 from fixtures.core.comparison import BitwiseMismatch, assert_bitwise
+from fixtures.core.contract import ChecksEngineKernels
+from fixtures.core.outcomes import must_fire, not_applicable
+from fixtures.plugin.state import STATE
 
 pytestmark = [pytest.mark.C2, pytest.mark.gpu, pytest.mark.vllm]
 
-THRESHOLD_SIZES = [1, 7, 16, 44, 64, 255, 256, 257, 1024]
-CONTROL_SIZES = [1, 2, 3, 4, 8, 17, 32, 63, 64, 65, 100, 128, 129, 255, 256, 257, 512, 1000, 1024]
+THRESHOLD_SIZES = list(W.TOKEN_THRESHOLDS)
+CONTROL_SIZES = list(W.STOCK_CONTROL_SIZES)
 _LIVE = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                        HealthCheck.too_slow])
 
 
+def _row_cases(impl) -> list[str]:
+    """The engine kernel library's row cases (a row is a token), controls excepted."""
+    return [c for c, k in impl.engine_kernel_library().cases.items() if k.rows == "tokens" and not k.planted]
+
+
+def pytest_generate_tests(metafunc):
+    """test_vllm_kernel_rows runs once per row case of the implementation's engine kernel library
+    (ChecksEngineKernels), read at collection; an implementation without one gets a single
+    `none` id, which the `library` fixture reports n/a."""
+    if metafunc.definition.originalname != "test_vllm_kernel_rows":
+        return
+    impl = metafunc.config.stash[STATE]["impl"]
+    metafunc.parametrize("case", _row_cases(impl) if isinstance(impl, ChecksEngineKernels) else ["none"])
+
+
 @pytest.fixture(scope="module")
-def dims(impl, proxy):
-    if not impl.name.startswith("vllm"):
-        pytest.skip(f"n/a: vLLM's own kernels are checked with --impl vllm (this run: {impl.name})")
-    return VK.dims_from_config(json.loads((proxy.path / "config.json").read_text()))
+def library(impl):
+    """The engine's own kernels as the implementation hands them over (ChecksEngineKernels)."""
+    if not isinstance(impl, ChecksEngineKernels):
+        not_applicable(f"the implementation is not ChecksEngineKernels (the engine's own kernels are checked with "
+                       f"--impl vllm; this run: {impl.name})", capability=ChecksEngineKernels)
+    return impl.engine_kernel_library()
+
+
+@pytest.fixture(scope="module")
+def dims(library, proxy):
+    return library.dims(json.loads((proxy.path / "config.json").read_text()))
 
 
 @pytest.fixture(scope="module")
@@ -47,39 +75,38 @@ def reached(dims, engine_kernel_inventory):
 
 def require_reached(case: str, reached: set[str]) -> None:
     if case not in reached:
-        pytest.skip(f"n/a: the engine launched no kernel that maps to {case} for this model "
+        not_applicable(f"the engine launched no kernel that maps to {case} for this model "
                     f"(C0 engine inventory reached: {', '.join(sorted(reached))})")
 
 
 @pytest.fixture(scope="module")
-def workers(dims, artifact_dir):
+def workers(library, dims, artifact_dir):
     """VLLM_BATCH_INVARIANT=1 and =0 kernel workers for this model's widths, started on demand."""
-    live: dict[bool, VK.KernelWorker] = {}
+    live: dict[bool, object] = {}
 
-    def get(batch_invariant: bool = True) -> VK.KernelWorker:
+    def get(batch_invariant: bool = True):
         if batch_invariant not in live:
-            live[batch_invariant] = VK.KernelWorker(batch_invariant=batch_invariant, dims=dims)
+            live[batch_invariant] = library.worker(batch_invariant=batch_invariant, dims=dims)
         return live[batch_invariant]
     yield get
     for w in live.values():
         w.close()
 
 
-def test_every_inventory_case_is_checked():
+def test_every_inventory_case_is_checked(library):
     """The kernel table names only cases this file checks (the claim C0 relies on)."""
-    named = {r.case for r in VK.RULES if r.case}
-    assert named <= set(VK.CASES), f"table names unknown C2 cases: {sorted(named - set(VK.CASES))}"
+    named = library.rule_cases()
+    assert named <= set(library.cases), f"table names unknown C2 cases: {sorted(named - set(library.cases))}"
 
 
-@pytest.mark.parametrize("case", [c for c, k in VK.CASES.items() if k.rows == "tokens" and not k.planted])
 @_LIVE
 @given(sizes=st.lists(S.batch_sizes(), min_size=1, max_size=3, unique=True))
 @example(sizes=THRESHOLD_SIZES).via("thresholds")
-def test_vllm_kernel_rows(case, sizes, dims, reached, workers):
-    if case not in VK.cases_for(dims):
-        pytest.skip(f"n/a: {case} needs an MoE model (this model has no experts)")
+def test_vllm_kernel_rows(case, sizes, library, dims, reached, workers):
+    if case not in library.cases_for(dims):
+        not_applicable(f"{case} needs an MoE model (this model has no experts)")
     require_reached(case, reached)
-    VK.check_rows(workers(True), case, sizes)
+    library.check_rows(workers(True), case, sizes)
 
 
 @_LIVE
@@ -129,37 +156,43 @@ def _attention_label(out: dict) -> str:
 # negative controls
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["linear", "lm_head", "attention"])
-def test_control_stock_vllm_kernels_vary(case, workers, record_metric):
+def test_control_stock_vllm_kernels_vary(case, library, workers, record_metric):
     """With VLLM_BATCH_INVARIANT=0 the same check must see vLLM's stock kernel vary (cuBLAS on
     Hopper changes row bits from ~64 rows; FlashAttention splits KV when num_splits=0); where it
     does not, the control is inconclusive (reported, never a pass)."""
+    require_case(library, case)
     stock = workers(False)
-    try:
+    tried = CONTROL_SIZES if case != "attention" else "ragged batches up to 1500 tokens"
+    with must_fire(f"vLLM's stock {case} (VLLM_BATCH_INVARIANT=0) gave the same bits at {tried} tokens",
+                   tried=tried) as control:
         if case == "attention":
             out = stock.attention("batch", lens=[37, 600, 20, 300, 5, 1500, 900], needle=0)
             assert_bitwise(out["lhs"], out["rhs"], what="stock attention", lhs_name="in a batch", rhs_name="alone")
             out = stock.attention("decode", lens=[1500], needle=0)
             assert_bitwise(out["lhs"], out["rhs"], what="stock attention", lhs_name="decode", rhs_name="prefill row")
         else:
-            VK.check_rows(stock, case, CONTROL_SIZES)
-    except BitwiseMismatch as exc:
-        record_metric(f"stock vLLM {case} control", str(exc).splitlines()[0][:200])
-        return
-    pytest.skip(f"inconclusive on this hardware: vLLM's stock {case} (VLLM_BATCH_INVARIANT=0) gave the same bits "
-                f"at {CONTROL_SIZES if case != 'attention' else 'ragged batches up to 1500 tokens'} tokens")
+            library.check_rows(stock, case, CONTROL_SIZES)
+    record_metric(f"stock vLLM {case} control", str(control.exc).splitlines()[0][:200])
 
 
-def test_control_planted_row_split_is_caught(workers):
+def require_case(library, case: str) -> None:
+    if case not in library.cases:
+        not_applicable(f"the engine kernel library has no case {case}", capability=ChecksEngineKernels)
+
+
+def test_control_planted_row_split_is_caught(library, workers):
     """A planted GEMM that changes its reduction order from 64 rows (what a split-K heuristic
     does) must fail the row check in the batch-invariant worker: the check can see such a fault."""
+    require_case(library, "planted_split_k_from_64")
     with pytest.raises(BitwiseMismatch):
-        VK.check_rows(workers(True), "planted_split_k_from_64", THRESHOLD_SIZES)
+        library.check_rows(workers(True), "planted_split_k_from_64", THRESHOLD_SIZES)
 
 
-def test_control_planted_rare_rows_are_caught(workers):
+def test_control_planted_rare_rows_are_caught(library, workers):
     """A planted kernel that re-rounds only one row in 37 from 256 rows up (what a launch switch
     at a token count does to a norm: most rows keep their bits) must fail the row check: every
     row is compared, not a few probes. Measured at full depth: vLLM's fused add + RMSNorm changed
     a needle's row in a 294-token batch that three probe rows per size had not caught."""
+    require_case(library, "planted_rare_rows_from_256")
     with pytest.raises(BitwiseMismatch, match="rows_differing_from_alone"):
-        VK.check_rows(workers(True), "planted_rare_rows_from_256", THRESHOLD_SIZES)
+        library.check_rows(workers(True), "planted_rare_rows_from_256", THRESHOLD_SIZES)

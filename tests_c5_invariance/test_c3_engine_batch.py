@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, note, strategies as st
 
-from fixtures.core.comparison import BitwiseMismatch
-from fixtures.core.contract import EngineSettings, Request, SamplingParams
-from fixtures.diagnose.localise import localise_in_engine
-from fixtures.checks.workloads import (assert_same_completion, assert_same_completions, engine_settings, max_batch,
-                                needle_batch, requests)
+from fixtures.core.contract import EngineSettings, Request, ResetsPrefixCache, SamplingParams
+from fixtures.core.outcomes import must_fire
+from fixtures.diagnose.engine_rows import localise_in_engine
+from fixtures.checks.workloads import (assert_same_completion, assert_same_completions, engine_settings, fixed_batch,
+                                       max_batch, needle_batch, requests)
 
 pytestmark = pytest.mark.C3
 
@@ -33,9 +33,8 @@ def _cold(engine) -> None:
     """Each hypothesis example (and its replay) from an empty prefix cache: otherwise a replay
     finds the batch's prompts cached, computes fewer tokens per step and can pass where the first
     run failed (measured at full depth: a kernel switching at 256 tokens per step)."""
-    reset = getattr(engine, "reset_prefix_cache", None)
-    if reset is not None:
-        reset()
+    if isinstance(engine, ResetsPrefixCache):
+        engine.reset_prefix_cache()
 
 
 @engine_settings(divisor=8, floor=1)
@@ -52,7 +51,7 @@ def test_every_request_alone_equals_batch(engine, proxy, reqs):
 def test_needle_past_batch_thresholds(engine, proxy, others, position, greedy):
     """Pinned cases beyond the thresholds where real engines were seen to switch (more than 8
     co-resident requests; about 44 sequences sharing a sampler batch), needle late in the batch."""
-    batch = _fixed_batch(proxy.config.vocab_size, others + 1, seed=others)
+    batch = fixed_batch(proxy.config.vocab_size, others + 1, seed=others)
     needle = Request("needle", batch[position].prompt_ids,
                      SamplingParams(max_tokens=6, temperature=0.0 if greedy else 1.0, seed=77))
     batch[position] = needle
@@ -65,34 +64,20 @@ def test_needle_past_batch_thresholds(engine, proxy, others, position, greedy):
 
 
 def test_same_batch_twice(engine, proxy):
-    batch = _fixed_batch(proxy.config.vocab_size, 9)
+    batch = fixed_batch(proxy.config.vocab_size, 9)
     first, second = engine.generate(batch), engine.generate(batch)
     assert_same_completions(first, second, lhs="run 1", rhs="run 2")
-
-
-def _fixed_batch(vocab: int, n: int, seed: int = 0) -> list[Request]:
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        length = int(torch.randint(1, 40, (1,), generator=g))
-        ids = tuple(torch.randint(0, vocab, (length,), generator=g).tolist())
-        params = SamplingParams(max_tokens=2 + i % 5, temperature=0.0 if i % 2 else 1.0, seed=i)
-        out.append(Request(f"r{i}", ids, params))
-    return out
 
 
 def test_control_stock_kernels_are_seen(engine_factory, proxy):
     """Negative control: the same needle check on the engine with stock kernels must see a
     difference (CPU fp32 GEMM is batch-variant from a few rows); where it does not, the check is
     inconclusive on this hardware - reported, never a silent pass."""
-    batch = _fixed_batch(proxy.config.vocab_size, 16, seed=3)
+    batch = fixed_batch(proxy.config.vocab_size, 16, seed=3)
     with engine_factory(EngineSettings(batch_invariant=False)) as stock:
         alone = [stock.generate([r])[0] for r in batch[:4]]
         together = stock.generate(batch)[:4]
-    try:
+    with must_fire("stock kernels gave identical bits alone and in a batch of 16",
+                   tried="4 requests alone vs in a batch of 16, stock kernels"):
         for a, b in zip(alone, together):
             assert_same_completion(a, b, lhs="alone", rhs="in a batch of 16")
-    except BitwiseMismatch:
-        return
-    pytest.skip("inconclusive on this hardware: stock kernels gave identical bits alone and in a batch of 16")

@@ -13,26 +13,15 @@ from hypothesis import given, strategies as st
 
 from fixtures.core.comparison import assert_bitwise
 from fixtures.core.contract import EngineSettings, Request, SamplingParams
-from fixtures.checks.workloads import assert_same_completions, engine_settings
+from fixtures.core.outcomes import must_fire, not_applicable
+from fixtures.checks.workloads import assert_same_completions, engine_settings, mixed_workload
 
 pytestmark = pytest.mark.C5
 
 
-def _workload(vocab: int, n: int = 10, seed: int = 0) -> list[Request]:
-    """Mixed prompts (1-60 tokens), greedy and seeded sampling, finishing at different steps."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        length = int(torch.randint(1, 60, (1,), generator=g))
-        ids = tuple(torch.randint(0, vocab, (length,), generator=g).tolist())
-        out.append(Request(f"w{i}", ids, SamplingParams(max_tokens=1 + (i * 3) % 9,
-                                                        temperature=0.0 if i % 3 == 0 else 1.0, seed=100 + i)))
-    return out
-
-
 @pytest.fixture(scope="module")
 def baseline(engine, proxy):
-    reqs = _workload(proxy.config.vocab_size)
+    reqs = mixed_workload(proxy.config.vocab_size)
     return reqs, engine.generate(reqs)
 
 
@@ -51,7 +40,8 @@ def test_token_budget(engine_factory, baseline, budget):
     reqs, want = baseline
     with engine_factory(EngineSettings(max_num_batched_tokens=budget)) as e:
         if not e.capabilities().chunked_prefill and budget < max(len(r.prompt_ids) for r in reqs):
-            pytest.skip("n/a (declared): no chunked prefill, so a budget below the longest prompt is invalid")
+            not_applicable("no chunked prefill, so a budget below the longest prompt is invalid",
+                           feature="chunked_prefill")
         got = e.generate(reqs)
     assert_same_completions(got, want, lhs=f"token budget {budget}", rhs="default")
 
@@ -69,7 +59,7 @@ def test_arrival_order(engine, baseline, perm):
 def test_engine_modes(engine_factory, engine, baseline, feature, flag):
     """Graphs vs eager, compiled vs not, async vs sync: each varied alone."""
     if not getattr(engine.capabilities(), feature):
-        pytest.skip(f"n/a (declared): the engine does not declare {feature}")
+        not_applicable(f"the engine does not declare {feature}", feature=feature)
     reqs, _ = baseline
     with engine_factory(EngineSettings(**{flag: False})) as off:
         want = off.generate(reqs)
@@ -83,10 +73,10 @@ def test_engine_modes(engine_factory, engine, baseline, feature, flag):
 
 def test_several_samples_per_prompt(engine, proxy):
     if not engine.capabilities().n_samples:
-        pytest.skip("n/a (declared): one sample per prompt")
+        not_applicable("one sample per prompt", feature="n_samples")
     vocab = proxy.config.vocab_size
     req = Request("n4", tuple(range(5, 25)), SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=4))
-    (multi,) = engine.generate([req] + _workload(vocab, 3, seed=9))[:1]
+    (multi,) = engine.generate([req] + mixed_workload(vocab, 3, seed=9))[:1]
     assert len(multi.samples) == 4
     streams = {tuple(s.token_ids) for s in multi.samples}
     assert len(streams) > 1, "n=4 samples at temperature 1 were all identical: the streams are not independent"
@@ -110,7 +100,7 @@ def test_requests_finishing_at_different_steps(engine, proxy):
 def test_raw_logprobs_stay_raw(engine, proxy, temperature, top_p, top_k):
     caps = engine.capabilities()
     if (top_p < 1 and not caps.top_p) or (top_k and not caps.top_k):
-        pytest.skip("n/a (declared): top-p/top-k not supported")
+        not_applicable("top-p/top-k not supported", feature="top_p" if top_p < 1 and not caps.top_p else "top_k")
     req = Request("proc", tuple(range(11, 31)), SamplingParams(max_tokens=8, temperature=temperature,
                                                              top_p=top_p, top_k=top_k, seed=4))
     (c,) = engine.generate([req])
@@ -128,14 +118,11 @@ def test_raw_logprobs_stay_raw(engine, proxy, temperature, top_p, top_k):
 def test_control_stock_batch_size_is_seen(engine_factory, proxy):
     """Negative control: with stock kernels, max_num_seqs=1 vs 7 must change some bits (CPU fp32
     GEMM rounds by row count); where it does not, the check is inconclusive on this hardware."""
-    from fixtures.core.comparison import BitwiseMismatch
-    reqs = _workload(proxy.config.vocab_size, seed=5)
+    reqs = mixed_workload(proxy.config.vocab_size, seed=5)
     with engine_factory(EngineSettings(batch_invariant=False, max_num_seqs=1)) as one:
         a = one.generate(reqs)
     with engine_factory(EngineSettings(batch_invariant=False, max_num_seqs=7)) as seven:
         b = seven.generate(reqs)
-    try:
+    with must_fire("stock kernels gave the same bits at max_num_seqs 1 and 7",
+                   tried="10 requests at max_num_seqs 1 and 7, stock kernels"):
         assert_same_completions(a, b, lhs="max_num_seqs=1", rhs="max_num_seqs=7")
-    except BitwiseMismatch:
-        return
-    pytest.skip("inconclusive on this hardware: stock kernels gave the same bits at max_num_seqs 1 and 7")

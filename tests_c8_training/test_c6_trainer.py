@@ -3,23 +3,15 @@ micro-batch composition, padding vs packing, position in the batch, micro-batch 
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, strategies as st
 
-from fixtures.core.comparison import BitwiseMismatch, assert_bitwise
-from fixtures.core.contract import Layout, supported_layouts
-from fixtures.checks.workloads import engine_settings
+from fixtures.core.comparison import assert_bitwise
+from fixtures.core.contract import Layout, RecordsModuleOutputsInBatch, RunsUnderKernelMode, supported_layouts
+from fixtures.core.outcomes import must_fire, not_applicable
+from fixtures.checks.controls import stock_trainer
+from fixtures.checks.workloads import LONG_PACK, engine_settings, random_sequences, sequences
 
 pytestmark = pytest.mark.C6
-
-
-@st.composite
-def sequences(draw, vocab: int, n=(2, 9), lengths=(2, 40)):
-    count = draw(st.integers(*n), label="sequences")
-    seed = draw(st.integers(0, 2**31 - 1), label="seed")
-    g = torch.Generator().manual_seed(seed)
-    lens = [draw(st.integers(*lengths), label="length") for _ in range(count)]
-    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lens]
 
 
 def _layouts(trainer) -> list[Layout]:
@@ -40,7 +32,7 @@ def _localiser(trainer, batch, layout, repro_dir=None, kernel_fault=None):
         together = trainer.logprobs(batch, layout=layout)
         d = compare(together, alone)
         i = d.first[0] if d.first else 0
-        if hasattr(trainer, "module_outputs_in_batch"):        # kernels the op tracer cannot follow (vLLM's)
+        if isinstance(trainer, RecordsModuleOutputsInBatch):   # kernels the op tracer cannot follow (vLLM's)
             from fixtures.diagnose.module_outputs import compare_module_outputs
             return compare_module_outputs(list(trainer.module_outputs(batch[i]).items()),
                                           trainer.module_outputs_in_batch(batch, i),
@@ -65,7 +57,7 @@ def _localiser(trainer, batch, layout, repro_dir=None, kernel_fault=None):
                 script = write_repro(repro_dir, module=loc.module, op=loc.op, side_a=side_a, side_b=side_b,
                                      rows_a=range(n), rows_b=range(first_b, first_b + n),
                                      names=("alone", f"in the batch at {i}"),
-                                     kernel_mode=getattr(trainer, "kernel_mode", None) is not None,
+                                     kernel_mode=isinstance(trainer, RunsUnderKernelMode),
                                      kernel_fault=kernel_fault)
                 text += f"\nminimal repro: python {script}"
             except Exception as exc:   # the repro is a convenience; never hide the real failure
@@ -83,8 +75,8 @@ def _alone(trainer, seqs, layout=Layout.PADDED):
 def test_padding_vs_packing(trainer, proxy, data):
     missing = [l.value for l in Layout if l not in _layouts(trainer)]
     if missing:
-        pytest.skip(f"n/a (declared): the trainer has no {' or '.join(missing)} layout for this architecture "
-                    f"({proxy.config.model_type})")
+        not_applicable(f"the trainer has no {' or '.join(missing)} layout for this architecture "
+                       f"({proxy.config.model_type})", feature=[f"layout {m}" for m in missing])
     seqs = data.draw(sequences(proxy.config.vocab_size))
     assert_bitwise(trainer.logprobs(seqs, layout=Layout.PACKED), trainer.logprobs(seqs, layout=Layout.PADDED),
                    what="trainer logprobs", lhs_name="packed", rhs_name="padded", sequences=len(seqs))
@@ -117,16 +109,9 @@ def test_position_and_composition(trainer, proxy, data, artifact_dir, pytestconf
                                        _kernel_fault(pytestconfig)))
 
 
-# Token counts where kernels were seen to switch launch configurations: the random batches above
-# rarely reach them. Measured on the H200: vLLM 0.26's fused residual add + RMSNorm (the CUDA kernel
-# its batch-invariant mode still uses) re-rounds 3 of 256 and 21 of 1024 rows from 256 tokens up.
-LONG_PACK = (37, 300, 5, 120, 2, 260, 64, 200, 17, 96)        # 1101 tokens
-
-
 def test_sequence_alone_equals_inside_a_long_micro_batch(trainer, proxy, artifact_dir, pytestconfig, model_name):
     """Each sequence alone equals itself inside one micro-batch of 1101 tokens (past 256 and 1024)."""
-    g = torch.Generator().manual_seed(6)
-    seqs = [torch.randint(0, proxy.config.vocab_size, (n,), generator=g).tolist() for n in LONG_PACK]
+    seqs = random_sequences(proxy.config.vocab_size, LONG_PACK, seed=6)
     layout = Layout.PACKED if Layout.PACKED in _layouts(trainer) else _layouts(trainer)[0]
     assert_bitwise(trainer.logprobs(seqs, layout=layout), _alone(trainer, seqs, layout), what="trainer logprobs",
                    lhs_name=f"in one micro-batch of {sum(LONG_PACK)} tokens", rhs_name="alone", layout=layout.value,
@@ -136,16 +121,12 @@ def test_sequence_alone_equals_inside_a_long_micro_batch(trainer, proxy, artifac
 
 def _kernel_fault(config) -> str | None:
     """The planted kernel fault of this run, if any (a replay needs it to reproduce)."""
-    name = config.getoption("--plant-fault", None)
-    if not name:
-        return None
-    from fixtures.faults.catalog import get
-    return name if get(name).kind == "kernel" else None
+    from fixtures.plugin.faults import planted_kernel_fault
+    return planted_kernel_fault(config)
 
 
 def test_run_to_run(trainer, proxy):
-    g = torch.Generator().manual_seed(4)
-    seqs = [torch.randint(0, proxy.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 33, 9)]
+    seqs = random_sequences(proxy.config.vocab_size, (3, 17, 33, 9), seed=4)
     for layout in _layouts(trainer):
         assert_bitwise(trainer.logprobs(seqs, layout=layout), trainer.logprobs(seqs, layout=layout),
                        what="trainer logprobs", lhs_name="run 1", rhs_name="run 2", layout=layout.value)
@@ -155,12 +136,8 @@ def test_control_stock_trainer_is_seen(proxy):
     """Negative control: a trainer on stock kernels and eager attention must differ between a
     sequence alone and inside a padded batch of 8 (measured: stock CPU fp32 GEMM single-threaded
     rounds rows differently from M = 4 rows up, so 2- and 3-token sequences alone take the other path)."""
-    from fixtures.reference.hf_trainer import HFTrainer
-    stock = HFTrainer(proxy.path, attn_implementation="eager")
-    g = torch.Generator().manual_seed(8)
-    seqs = [torch.randint(0, proxy.config.vocab_size, (n,), generator=g).tolist() for n in (2, 3, 40, 2, 3, 33, 4, 2)]
-    try:
+    stock = stock_trainer(proxy.path)
+    seqs = random_sequences(proxy.config.vocab_size, (2, 3, 40, 2, 3, 33, 4, 2), seed=8)
+    with must_fire("the stock trainer gave the same bits alone and in a batch of 8",
+                   tried="8 sequences of 2-40 tokens alone vs in a padded batch, stock trainer (eager attention)"):
         assert_bitwise(stock.logprobs(seqs), _alone(stock, seqs), what="stock trainer logprobs")
-    except BitwiseMismatch:
-        return
-    pytest.skip("inconclusive on this hardware: the stock trainer gave the same bits alone and in a batch of 8")

@@ -5,8 +5,9 @@ exceed it); the optimizer step is deterministic.
 
 The bound and its constant are documented in fixtures.checks.grad_checks: |g - g64| <= 2 * n * u * S,
 u = 2^-24, n the reduction length of the backward computation, S the elementwise magnitude.
-Everything runs under the implementation's kernel mode (`impl.kernel_mode()`, falling back to
-fixtures.reference.invariant_mode.batch_invariant_mode): forward and backward on its kernels.
+Everything runs under the implementation's kernel mode (HasKernelMode: `impl.kernel_mode()`;
+where it has none, fixtures.checks.grad_checks.default_kernel_mode, the reference batch-invariant
+mode): forward and backward on its kernels.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import torch
 from hypothesis import example, given, note, settings
 
 from fixtures.checks import grad_checks as G
+from fixtures.checks.workloads import random_sequences
 from fixtures.checks.grad_checks import GradShape
-from fixtures.reference.invariant_mode import batch_invariant_mode
+from fixtures.core.contract import HasKernelMode, LogprobsWithGrad, RunsEngineKernels
 
 pytestmark = pytest.mark.C8
 
@@ -38,25 +40,37 @@ def _examples(expensive: bool) -> int:
 @pytest.fixture(scope="session")
 def kernel_mode(impl):
     """Zero-argument factory of the implementation's kernel mode (every forward and backward of
-    these checks runs under it); fixtures.reference.invariant_mode.batch_invariant_mode where it has none."""
-    return getattr(impl, "kernel_mode", None) or batch_invariant_mode
+    these checks runs under it); where it is not HasKernelMode, the checks' default (the
+    reference batch-invariant mode, fixtures.checks.grad_checks.default_kernel_mode)."""
+    return impl.kernel_mode if isinstance(impl, HasKernelMode) else G.default_kernel_mode()
+
+
+@pytest.fixture(scope="session")
+def trainer_mode(impl, trainer, kernel_mode):
+    """The mode the trainer's own forward and backward run under in the model-level checks: the
+    implementation's kernel mode; none for a trainer that is RunsEngineKernels (it calls the
+    engine's kernels outside torch dispatch, which a dispatch mode cannot serve - measured on an
+    H200: vLLM's custom ops under the reference mode fail with a pybind cast error), so its own
+    backward is what is judged."""
+    import contextlib
+    if isinstance(trainer, RunsEngineKernels) and not isinstance(impl, HasKernelMode):
+        return contextlib.nullcontext
+    return kernel_mode
 
 
 @pytest.fixture(scope="session")
 def train_sequences(proxy, pytestconfig):
     """A few random id sequences of different lengths (seeded by --proxy-seed)."""
-    g = torch.Generator().manual_seed(1000 + pytestconfig.getoption("--proxy-seed"))
-    return [torch.randint(0, proxy.config.vocab_size, (n,), generator=g).tolist() for n in (12, 7, 16)]
+    return random_sequences(proxy.config.vocab_size, (12, 7, 16), seed=1000 + pytestconfig.getoption("--proxy-seed"))
 
 
 @pytest.fixture(scope="session")
 def trainer_loss(trainer):
     """loss(model, sequences) = -mean token logprob, through the trainer's own forward where it
-    exposes one with gradients (`logprobs_with_grad`), else fixtures.checks.grad_checks.sequence_loss."""
-    fwd = getattr(trainer, "logprobs_with_grad", None)
-    if fwd is None:
+    is LogprobsWithGrad, else fixtures.checks.grad_checks.sequence_loss over its module()."""
+    if not isinstance(trainer, LogprobsWithGrad):
         return G.sequence_loss
-    return lambda model, seqs: -torch.cat([lp.reshape(-1) for lp in fwd(seqs)]).mean()
+    return lambda model, seqs: -torch.cat([lp.reshape(-1) for lp in trainer.logprobs_with_grad(seqs)]).mean()
 
 
 @pytest.fixture(scope="session")
@@ -69,8 +83,8 @@ def train_calls(trainer, train_sequences, trainer_loss, kernel_mode):
 
 
 @pytest.fixture(scope="session")
-def trainer_grads(trainer, train_sequences, trainer_loss, kernel_mode):
-    return G.model_grads(trainer.module(), train_sequences, loss_fn=trainer_loss, kernel_mode=kernel_mode)
+def trainer_grads(trainer, train_sequences, trainer_loss, trainer_mode):
+    return G.model_grads(trainer.module(), train_sequences, loss_fn=trainer_loss, kernel_mode=trainer_mode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,9 +114,9 @@ def test_every_reached_kernel_has_grad_check(inventory):
 # ---------------------------------------------------------------------------------------------
 # run-to-run determinism of the model's gradients and of the optimizer step
 # ---------------------------------------------------------------------------------------------
-def test_grads_deterministic_and_finite(trainer, train_sequences, trainer_loss, kernel_mode, record_metric):
+def test_grads_deterministic_and_finite(trainer, train_sequences, trainer_loss, trainer_mode, record_metric):
     model = trainer.module()
-    res = G.grads_deterministic(model, train_sequences, loss_fn=trainer_loss, kernel_mode=kernel_mode)
+    res = G.grads_deterministic(model, train_sequences, loss_fn=trainer_loss, kernel_mode=trainer_mode)
     record_metric("C8 parameters with a gradient", len(res.grads))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert res.grads, "the backward produced no parameter gradient at all"

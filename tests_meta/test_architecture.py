@@ -146,6 +146,28 @@ def test_no_private_name_crosses_a_module():
         "\n  ".join(bad)
 
 
+# A worker child (`python -m <child>`) never imports its parent's side, not even through another
+# module: what both sides share lives below them (fixtures/vllm/ipc.py, convert.py).
+CHILD_NEVER_IMPORTS = {
+    "fixtures.vllm.worker": {"fixtures.vllm.client", "fixtures.vllm.pool", "fixtures.vllm.implementation"},
+    "fixtures.vllm.kernel_worker": {"fixtures.vllm.kernel_cases", "fixtures.vllm.client"},
+}
+
+
+def test_worker_children_never_import_their_parents():
+    _, graph = _graph()
+    bad = []
+    for child, parents in CHILD_NEVER_IMPORTS.items():
+        seen, todo = set(), [child]
+        while todo:
+            for d in graph.get(todo.pop(), ()):
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        bad += [f"{child} reaches {p}" for p in sorted(seen & parents)]
+    assert not bad, "a worker child imports its parent's side:\n  " + "\n  ".join(bad)
+
+
 def _gate_files():
     return [ROOT / "conftest.py"] + sorted(p for d in GATE_DIRS for p in (ROOT / d).glob("*.py"))
 

@@ -1,6 +1,6 @@
 """The planted-fault matrix: every fault in fixtures.faults.catalog goes red at its gate, not earlier.
 
-Each row switches one fault in (`-p fixtures.faults.plugin --plant-fault NAME`) and runs the real
+Each row switches one fault in (`-p fixtures.plugin.faults --plant-fault NAME`) and runs the real
 gate chain (`--upto <the fault's gate>`) on one tiny proxy, then reads the verdicts:
 - every gate before the fault's gate that has checks today must have all of them pass
   (the fault must not trip an earlier gate - that would be a mis-attributed catch);
@@ -11,7 +11,7 @@ in a MatrixPending warning, and becomes fully checked as that gate arrives - no 
 
 Speed: a row runs every check of every gate up to the fault's gate, which takes minutes once the
 engine gates exist (C2 alone is about a minute on the CPU lane). By default ('quick') the chain runs
-for the QUICK rows - one per kind, up to C1 - and the other rows say how to run them; `-p fixtures.faults.plugin --fault-matrix full`
+for the QUICK rows - one per kind, up to C1 - and the other rows say how to run them; `-p fixtures.plugin.faults --fault-matrix full`
 runs every row up to its gate. The inner runs happen in this process (pytest.main, see _run_chain).
 
 Beside it, the faults are checked directly where their component can be driven without the
@@ -105,7 +105,7 @@ def _run_chain_here(tmp_path, fault, upto: str, *, model: str | None = None) -> 
     plant = ["--plant-fault", fault.name] if fault else []
     try:
         ret = pytest.main(
-            ["-p", "fixtures.faults.plugin", *plant, "--model", model, "--upto", upto, "--report", str(report), "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
+            ["-p", "fixtures.plugin.faults", *plant, "--model", model, "--upto", upto, "--report", str(report), "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
              "--basetemp", str(tmp_path / "inner"), "-p", "no:cacheprovider", "--hypothesis-profile",
              "fault-matrix", "-q", *_gate_paths()], plugins=[rec])
     finally:
@@ -132,7 +132,7 @@ def test_chain_goes_red_at_the_faults_gate(name, tmp_path, pytestconfig):
     full = pytestconfig.getoption("--fault-matrix", "quick") == "full"
     if not full and name not in QUICK:
         pytest.skip(f"quick matrix: {name}'s chain (C0..{fault.gate}) runs with "
-                    "-p fixtures.faults.plugin --fault-matrix full")
+                    "-p fixtures.plugin.faults --fault-matrix full")
     if fault.kind == "kernel":
         try:
             fault.plant(None)()

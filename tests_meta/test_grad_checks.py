@@ -37,7 +37,7 @@ def test_one_rounding_uses_half_the_bound():
     """A correctly rounded float32 result of an exact float64 value is within u|x|: ratio <= 1/2 at n = 1."""
     ref = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     got = ref.float()
-    r = G._compare("x", got, ref, 1, ref.abs(), G.C_BOUND)
+    r = G.compare_grad("x", got, ref, 1, ref.abs(), G.C_BOUND)
     assert r.ok and 0 < r.max_ratio <= 0.5
 
 
@@ -45,7 +45,7 @@ def test_compare_names_the_worst_position():
     ref = torch.ones(3, 4, dtype=torch.float64)
     got = ref.float().clone()
     got[1, 2] = 1.0 + 2.0 ** -10
-    r = G._compare("w", got, ref, 4, ref.abs(), G.C_BOUND)
+    r = G.compare_grad("w", got, ref, 4, ref.abs(), G.C_BOUND)
     assert not r.ok and r.count_over == 1 and r.position == (1, 2)
     assert r.got == 1.0 + 2.0 ** -10 and r.ref == 1.0 and r.bound == pytest.approx(8 * 2.0 ** -24)
 
@@ -54,7 +54,7 @@ def test_nonfinite_gradient_is_a_violation():
     ref = torch.ones(4, dtype=torch.float64)
     got = ref.float().clone()
     got[3] = float("nan")
-    r = G._compare("x", got, ref, 1, ref.abs(), G.C_BOUND)
+    r = G.compare_grad("x", got, ref, 1, ref.abs(), G.C_BOUND)
     assert not r.ok and r.nonfinite == 1 and r.max_ratio == float("inf") and r.position == (3,)
 
 

@@ -312,7 +312,7 @@ def test_engine_rows_name_the_module_where_a_batch_changes_a_request(tmp_path):
     tokens compared in call order. Clean engine: nothing differs; with the planted batch-wide MoE
     activation scale, the experts module is named (the fault's module)."""
     from fixtures.core.contract import Request, SamplingParams
-    from fixtures.diagnose.localise import localise_in_engine
+    from fixtures.diagnose.engine_rows import localise_in_engine
     from fixtures.models.proxies import build_proxy
     from fixtures.reference.engine import ReferenceEngine
     spec = build_proxy("qwen3_moe", "tiny", tmp_path / "moe", seed=0)

@@ -10,6 +10,7 @@ from fixtures.reference import kernels as K
 from fixtures.diagnose import module_outputs as MO
 from fixtures.models import proxies as P
 from fixtures.vllm import trainer as VT
+from fixtures.vllm import trainer_ops as VO
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_compare_equal_and_planted():
     a = _points()
     assert MO.compare_module_outputs(a, dict(a)).equal
     b = dict(a)
-    b["p2"] = VT.one_ulp_up_at_0(b["p2"])
+    b["p2"] = VO.one_ulp_up_at_0(b["p2"])
     b["p3"] = b["p3"] + 1
     r = MO.compare_module_outputs(a, b)
     assert not r.equal and r.first == "p2" and r.differing_points == ["p2", "p3"]
@@ -102,7 +103,7 @@ def test_compare_structure_and_one_sided_points():
 @pytest.mark.parametrize("which", ["qwen3", "moe"])
 def test_trainer_records_every_step_under_vllm_names(which, qwen3_dir, moe_dir):
     d = qwen3_dir if which == "qwen3" else moe_dir
-    trainer = VT.EngineKernelTrainer(d, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    trainer = VT.EngineKernelTrainer(d, VO.ReferenceOps, dtype=torch.float32, device="cpu")
     rec = trainer.module_outputs(SEQ)
     n_layers = trainer.model.config.num_hidden_layers
     expected = ["model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.self_attn.qkv_proj",
@@ -123,10 +124,10 @@ def test_trainer_records_every_step_under_vllm_names(which, qwen3_dir, moe_dir):
 def test_planted_ulp_is_named_exactly(which, qwen3_dir, moe_dir):
     """The C7 control on the CPU: one op's output moved one ULP is the first point named."""
     d = qwen3_dir if which == "qwen3" else moe_dir
-    trainer = VT.EngineKernelTrainer(d, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    trainer = VT.EngineKernelTrainer(d, VO.ReferenceOps, dtype=torch.float32, device="cpu")
     clean = trainer.module_outputs(SEQ)
-    planted_ops = VT.PlantedULP(trainer.ops, op="silu_and_mul") if which == "qwen3" else \
-        VT.PlantedULP(trainer.ops, op="linear", call=1)
+    planted_ops = VO.PlantedULP(trainer.ops, op="silu_and_mul") if which == "qwen3" else \
+        VO.PlantedULP(trainer.ops, op="linear", call=1)
     trainer.ops = planted_ops
     planted = trainer.module_outputs(SEQ)
     r = MO.compare_module_outputs(list(clean.items()), planted)
@@ -139,7 +140,7 @@ def test_hf_naming_keeps_only_points_with_a_transformers_twin(qwen3_dir):
     """For vLLM's Transformers backend: q/k/v and gate/up also as slices of the merged GEMMs, the
     norms' residuals and decoder-layer tuples dropped;
     names line up with a wrapper's nesting through canonical_name."""
-    trainer = VT.EngineKernelTrainer(qwen3_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    trainer = VT.EngineKernelTrainer(qwen3_dir, VO.ReferenceOps, dtype=torch.float32, device="cpu")
     vllm_named = trainer.module_outputs(SEQ)
     hf = trainer.module_outputs(SEQ, naming="hf")
     cfg = trainer.model.config
@@ -211,7 +212,7 @@ def test_request_rows_alone_vs_in_a_batch(variant):
     """Rows of one prompt recorded alone and inside a batch (split over two steps, as a chunked
     prefill would): equal for a row-wise model; with the planted op, the first position computed
     in a step of another size (3: the second step has 3 tokens, the lone prompt 5) at `norm`."""
-    from fixtures.diagnose.localise import EngineRows
+    from fixtures.diagnose.engine_rows import EngineRows
     torch.manual_seed(0)
     model = _Step(variant)
     prompt = [7, 3, 9, 9, 4]

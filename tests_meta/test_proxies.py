@@ -319,13 +319,13 @@ def test_op_kinds_twin_follows_the_proxy_dtype(tmp_path):
 def test_engine_dummy_proxy_is_config_only(tmp_path):
     """--proxy-weights engine-dummy: config.json and the marker, no weight files; vLLM is told to
     draw its own weights; every loader that needs files says n/a instead of failing deep inside."""
-    from fixtures.vllm import engine as ve
+    from fixtures.vllm import settings as vset
     from fixtures.core.contract import EngineSettings
     spec = P.build_engine_dummy("qwen3_moe", "full", tmp_path / "d")
     assert sorted(p.name for p in spec.path.iterdir()) == ["config.json", "proxy.json"]
     assert P.is_engine_dummy(spec.path) and spec.num_parameters > 30e9 and len(spec.layer_kinds) == 48
-    assert ve.llm_kwargs(spec.path, EngineSettings())["load_format"] == "dummy"
+    assert vset.llm_kwargs(spec.path, EngineSettings())["load_format"] == "dummy"
     with pytest.raises(NotImplementedError, match="^n/a: .*engine-dummy proxy"):
         P.load_model(spec.path)
     real = P.build_proxy("qwen3", "tiny", tmp_path / "real", seed=0)
-    assert not P.is_engine_dummy(real.path) and "load_format" not in ve.llm_kwargs(real.path, EngineSettings())
+    assert not P.is_engine_dummy(real.path) and "load_format" not in vset.llm_kwargs(real.path, EngineSettings())

@@ -1,8 +1,9 @@
-"""The vLLM adapter (fixtures.vllm.engine, fixtures.vllm.worker) without vLLM: the settings and
-sampling mappings, RequestOutput -> Completion on objects shaped like vLLM 0.26's, the worker
-protocol end to end through the worker's fake backend (errors, crashes and hangs come back as
-clear exceptions), engine reuse, and the "n/a" skip where vLLM or CUDA is missing. The tests
-marked gpu/vllm run the real engine and skip with a one-line reason elsewhere."""
+"""The vLLM adapter (fixtures.vllm: settings, convert, client, pool, implementation, worker)
+without vLLM: the settings and sampling mappings, RequestOutput -> Completion on objects shaped
+like vLLM 0.26's, the worker protocol end to end through the worker's fake backend (errors,
+crashes and hangs come back as clear exceptions), engine reuse, and the "n/a" skip where vLLM or
+CUDA is missing. The tests marked gpu/vllm run the real engine and skip with a one-line reason
+elsewhere."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures.vllm import engine as ve
+from fixtures.vllm import client as vclient
+from fixtures.vllm import convert as vconv
+from fixtures.vllm import implementation as vimpl
+from fixtures.vllm import ipc as vipc
+from fixtures.vllm import pool as vpool
+from fixtures.vllm import settings as vset
 from fixtures.core.contract import ContractError, EngineSettings, Request, SamplingParams
 
 pytest_plugins = ["pytester"]
@@ -61,7 +67,7 @@ def model_dir(tmp_path_factory):
 # EngineSettings -> LLM kwargs, worker env
 # ---------------------------------------------------------------------------------------------
 def test_default_kwargs(model_dir):
-    kw = ve.llm_kwargs(model_dir, EngineSettings())
+    kw = vset.llm_kwargs(model_dir, EngineSettings())
     assert kw["model"] == str(model_dir)
     assert kw["skip_tokenizer_init"] is True and kw["logprobs_mode"] == "raw_logprobs" and kw["dtype"] == "bfloat16"
     assert kw["enforce_eager"] is True and "compilation_config" not in kw
@@ -80,7 +86,7 @@ def test_default_kwargs(model_dir):
                                                                  "cudagraph_mode": "FULL_AND_PIECEWISE"}}),
 ])
 def test_graphs_and_compilation_vary_separately(model_dir, graphs, compiled, expect):
-    kw = ve.llm_kwargs(model_dir, EngineSettings(cuda_graphs=graphs, compilation=compiled))
+    kw = vset.llm_kwargs(model_dir, EngineSettings(cuda_graphs=graphs, compilation=compiled))
     assert {k: kw[k] for k in expect} == expect
     if not compiled or not graphs:
         assert "compilation_config" not in kw or kw["compilation_config"]["cudagraph_mode"] != "PIECEWISE"
@@ -100,7 +106,7 @@ def test_graphs_and_compilation_vary_separately(model_dir, graphs, compiled, exp
 ])
 def test_settings_map_to_kwargs_vllm_accepts(model_dir, settings, expect):
     """Including the adjustments vLLM's validation forces (budget >= max_num_seqs, ...)."""
-    kw = ve.llm_kwargs(model_dir, settings)
+    kw = vset.llm_kwargs(model_dir, settings)
     assert {k: kw[k] for k in expect} == expect
     assert kw["max_num_batched_tokens"] >= kw["max_num_seqs"]
     if not kw["enable_chunked_prefill"]:
@@ -109,49 +115,49 @@ def test_settings_map_to_kwargs_vllm_accepts(model_dir, settings, expect):
 
 def test_compiled_custom_ops_knob_and_nested_extra(model_dir):
     from dataclasses import replace
-    same_kernels = replace(ve.EAGER_DEFAULTS, compiled_custom_ops=("all",))
-    kw = ve.llm_kwargs(model_dir, EngineSettings(compilation=True), same_kernels)
+    same_kernels = replace(vset.EAGER_DEFAULTS, compiled_custom_ops=("all",))
+    kw = vset.llm_kwargs(model_dir, EngineSettings(compilation=True), same_kernels)
     assert kw["compilation_config"] == {"mode": "VLLM_COMPILE", "cudagraph_mode": "NONE", "custom_ops": ["all"]}
-    assert "custom_ops" not in ve.llm_kwargs(model_dir, EngineSettings(cuda_graphs=True), same_kernels)["compilation_config"]
-    assert ve.llm_kwargs(model_dir, EngineSettings(), same_kernels) == ve.llm_kwargs(model_dir, EngineSettings())
-    kw = ve.llm_kwargs(model_dir, EngineSettings(cuda_graphs=True, extra={"llm_kwargs": {
+    assert "custom_ops" not in vset.llm_kwargs(model_dir, EngineSettings(cuda_graphs=True), same_kernels)["compilation_config"]
+    assert vset.llm_kwargs(model_dir, EngineSettings(), same_kernels) == vset.llm_kwargs(model_dir, EngineSettings())
+    kw = vset.llm_kwargs(model_dir, EngineSettings(cuda_graphs=True, extra={"llm_kwargs": {
         "compilation_config": {"cudagraph_capture_sizes": [1, 2]}}}))
     assert kw["compilation_config"] == {"mode": "NONE", "cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2]}
 
 
 def test_compiled_custom_ops_from_env(monkeypatch):
     monkeypatch.setenv("CONFORMANCE_VLLM_COMPILED_CUSTOM_OPS", "all")
-    impl = ve.VLLMImplementation()
+    impl = vimpl.VLLMImplementation()
     assert impl.defaults.compiled_custom_ops == ("all",) and "custom_ops=['all']" in impl.describe()["engine_defaults"]
 
 
 def test_same_configuration_same_key(model_dir):
     explicit = EngineSettings(enable_prefix_caching=True, enable_chunked_prefill=True, cuda_graphs=False,
                               compilation=False, async_scheduling=True, max_num_seqs=256, attention_backend="FLASH_ATTN")
-    assert ve.engine_key(model_dir, EngineSettings()) == ve.engine_key(model_dir, explicit)
+    assert vset.engine_key(model_dir, EngineSettings()) == vset.engine_key(model_dir, explicit)
     others = [EngineSettings(batch_invariant=False), EngineSettings(max_num_seqs=3), EngineSettings(cuda_graphs=True),
               EngineSettings(extra={"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}})]
-    keys = {ve.engine_key(model_dir, s) for s in [EngineSettings()] + others}
+    keys = {vset.engine_key(model_dir, s) for s in [EngineSettings()] + others}
     assert len(keys) == 1 + len(others)
 
 
 @pytest.mark.parametrize("invariant", [True, False])
 def test_worker_env_is_prepared_before_vllm_import(invariant):
-    env = ve.worker_env(EngineSettings(batch_invariant=invariant), base={"PYTHONPATH": "/tmp/site", "HOME": "/root",
+    env = vipc.worker_env(EngineSettings(batch_invariant=invariant), base={"PYTHONPATH": "/tmp/site", "HOME": "/root",
                                                                           "VLLM_BATCH_INVARIANT": "1"})
     assert env["VLLM_BATCH_INVARIANT"] == ("1" if invariant else "0")
     for k, v in {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
                  "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1"}.items():
         assert env[k] == v, k
     assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/tmp/site"] and env["HOME"] == "/root"
-    assert ve.FAKE_ENV not in env
+    assert vipc.FAKE_ENV not in env
 
 
 # ---------------------------------------------------------------------------------------------
 # SamplingParams -> vLLM SamplingParams kwargs
 # ---------------------------------------------------------------------------------------------
 def test_greedy_sampled_logprobs_only():
-    kw = ve.sampling_kwargs(SamplingParams(max_tokens=4))
+    kw = vconv.sampling_kwargs(SamplingParams(max_tokens=4))
     assert kw["logprobs"] == 0 and kw["prompt_logprobs"] is None and kw["skip_reading_prefix_cache"] is False
     assert (kw["temperature"], kw["seed"], kw["n"], kw["max_tokens"], kw["ignore_eos"]) == (0.0, None, 1, 4, True)
     assert kw["detokenize"] is False and "stop_token_ids" not in kw
@@ -159,7 +165,7 @@ def test_greedy_sampled_logprobs_only():
 
 def test_prompt_logprobs_skip_the_prefix_cache():
     """vLLM has no logits for prompt positions read from the cache, so those requests skip it."""
-    kw = ve.sampling_kwargs(SamplingParams(), want_prompt_logprobs=True)
+    kw = vconv.sampling_kwargs(SamplingParams(), want_prompt_logprobs=True)
     assert kw["prompt_logprobs"] == 0 and kw["skip_reading_prefix_cache"] is True
 
 
@@ -171,25 +177,25 @@ def test_prompt_logprobs_skip_the_prefix_cache():
     (SamplingParams(ignore_eos=False), {"ignore_eos": False, "stop_token_ids": [7]}),
 ])
 def test_sampling_mapping(params, expect):
-    kw = ve.sampling_kwargs(params, eos_ids=(7,))
+    kw = vconv.sampling_kwargs(params, eos_ids=(7,))
     assert {k: kw[k] for k in expect} == expect
 
 
 def test_temperature_beyond_vllm_range_is_refused():
     with pytest.raises(ValueError, match=r"accepts \[0, 2.0\]"):
-        ve.sampling_kwargs(SamplingParams(temperature=2.5))
+        vconv.sampling_kwargs(SamplingParams(temperature=2.5))
 
 
 def test_eos_ids_from_config():
-    assert ve.eos_token_ids({"eos_token_id": [1, 2]}) == (1, 2)
-    assert ve.eos_token_ids({"eos_token_id": 5}) == (5,) and ve.eos_token_ids({}) == ()
+    assert vconv.eos_token_ids({"eos_token_id": [1, 2]}) == (1, 2)
+    assert vconv.eos_token_ids({"eos_token_id": 5}) == (5,) and vconv.eos_token_ids({}) == ()
 
 
 @pytest.mark.vllm
 def test_vllm_accepts_the_sampling_kwargs():
     pytest.importorskip("vllm", reason="n/a: vLLM is not installed")
     from vllm import SamplingParams as VSP
-    sp = VSP(**ve.sampling_kwargs(SamplingParams(temperature=1.0, top_p=0.8, n=2), want_prompt_logprobs=True))
+    sp = VSP(**vconv.sampling_kwargs(SamplingParams(temperature=1.0, top_p=0.8, n=2), want_prompt_logprobs=True))
     assert sp.logprobs == 0 and sp.prompt_logprobs == 0 and sp.skip_reading_prefix_cache is True and sp.seed == 0
 
 
@@ -212,7 +218,7 @@ def test_conversion_is_exact_and_ordered():
     a, b = [_f32(-1.2345678), _f32(-0.1)], [_f32(-3.3), _f32(-7.77)]
     plp = [None] + [{t: Logprob(_f32(-1.0 - t / 7), 1, None)} for t in prompt[1:]]
     req = Request("r", prompt, SamplingParams(n=2, max_tokens=2, temperature=1.0), want_prompt_logprobs=True)
-    c = ve.completion_from_output(req, _output(prompt, [([11, 12], a), ([13, 14], b)], prompt_lps=plp))
+    c = vconv.completion_from_output(req, _output(prompt, [([11, 12], a), ([13, 14], b)], prompt_lps=plp))
     assert [s.token_ids for s in c.samples] == [[11, 12], [13, 14]]
     assert torch.equal(c.samples[0].logprobs, torch.tensor(a, dtype=torch.float32))
     assert torch.equal(c.samples[1].logprobs, torch.tensor(b, dtype=torch.float32))
@@ -226,7 +232,7 @@ def test_conversion_reads_flat_logprobs():
     out = RequestOutput("0", None, [1, 2, 3], FlatLike([{}, {2: -1.5}, {3: -2.5}]),
                         [CompletionOutput(0, "", [4, 5], None, FlatLike([{4: -0.25, 9: -1.0}, {5: -0.75}]), "length",
                                           None)], True, None)
-    c = ve.completion_from_output(req, out)
+    c = vconv.completion_from_output(req, out)
     assert c.samples[0].logprobs.tolist() == [-0.25, -0.75] and c.prompt_logprobs.tolist() == [-1.5, -2.5]
     assert c.num_cached_tokens == 0
 
@@ -246,7 +252,7 @@ def test_conversion_names_the_breach(mutate, message):
     out = _output(prompt, [([1, 2], [-1.0, -2.0]), ([3, 4], [-1.0, -2.0])], prompt_lps=plp)
     req = Request("r", prompt, SamplingParams(n=2, max_tokens=2, temperature=1.0), want_prompt_logprobs=True)
     with pytest.raises(ContractError, match=message):
-        ve.completion_from_output(req, mutate(out))
+        vconv.completion_from_output(req, mutate(out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,12 +268,12 @@ def _info(**over):
 
 
 def test_capabilities_follow_the_probes_and_the_resolved_config():
-    caps = ve.capabilities_from_info(_info())
+    caps = vset.capabilities_from_info(_info())
     assert caps.prefix_cache and caps.chunked_prefill and caps.preemption and caps.cuda_graphs
     assert caps.compilation and caps.async_scheduling and caps.top_p and caps.top_k and caps.n_samples
     assert caps.prompt_logprobs and caps.seeded_sampling and not caps.weight_update
-    assert ve.capabilities_from_info(_info(probes=["reload"])).weight_update     # the runner has reload_weights
-    bare = ve.capabilities_from_info(_info(probes=[], enable_prefix_caching=False))
+    assert vset.capabilities_from_info(_info(probes=["reload"])).weight_update     # the runner has reload_weights
+    bare = vset.capabilities_from_info(_info(probes=[], enable_prefix_caching=False))
     assert not (bare.prefix_cache or bare.chunked_prefill or bare.preemption or bare.cuda_graphs or bare.compilation
                 or bare.async_scheduling)
 
@@ -283,13 +289,13 @@ def test_capabilities_follow_the_probes_and_the_resolved_config():
     (EngineSettings(attention_backend="TRITON_ATTN"), _info(), "attention_backend"),
 ])
 def test_resolution_mismatches_are_named(settings, info, message):
-    bad = ve.resolution_mismatches(ve.effective_settings(settings), info)
+    bad = vset.resolution_mismatches(vset.effective_settings(settings), info)
     assert any(message in b for b in bad), bad
 
 
 def test_honest_resolution_passes():
-    eff = ve.effective_settings(EngineSettings(cuda_graphs=True, compilation=True))
-    assert ve.resolution_mismatches(eff, _info(cudagraph_mode="FULL_AND_PIECEWISE", compilation_mode="VLLM_COMPILE")) == []
+    eff = vset.effective_settings(EngineSettings(cuda_graphs=True, compilation=True))
+    assert vset.resolution_mismatches(eff, _info(cudagraph_mode="FULL_AND_PIECEWISE", compilation_mode="VLLM_COMPILE")) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,10 +311,10 @@ def _reqs():
 @pytest.mark.parametrize("invariant", [True, False])
 def test_worker_round_trip(model_dir, invariant, tmp_path):
     settings = EngineSettings(batch_invariant=invariant, max_num_seqs=7)
-    with ve.VLLMEngine(model_dir, settings, fake="echo", log_dir=tmp_path) as eng:
+    with vclient.VLLMEngine(model_dir, settings, fake="echo", log_dir=tmp_path) as eng:
         assert eng.info["env"]["VLLM_BATCH_INVARIANT"] == ("1" if invariant else "0")
         assert eng.info["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-        assert eng.info["llm_kwargs"] == ve.llm_kwargs(model_dir, settings)
+        assert eng.info["llm_kwargs"] == vset.llm_kwargs(model_dir, settings)
         assert eng.capabilities().prefix_cache and eng.name == "vllm-fake"
         out = eng.generate(_reqs())
         assert [c.request_id for c in out] == ["a", "b", "c"]
@@ -323,7 +329,7 @@ def test_worker_round_trip(model_dir, invariant, tmp_path):
 
 
 def test_prefix_cache_evidence_and_reset(model_dir, tmp_path):
-    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
+    with vclient.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
         a, b, c = _reqs()
         assert eng.generate([a])[0].num_cached_tokens == 0
         hit = eng.generate([Request("b2", a.prompt_ids[:40] + (9, 9), SamplingParams())])[0]
@@ -334,37 +340,37 @@ def test_prefix_cache_evidence_and_reset(model_dir, tmp_path):
 
 
 def test_worker_errors_come_back_with_traceback(model_dir, tmp_path):
-    with ve.VLLMEngine(model_dir, fake="error_generate", log_dir=tmp_path) as eng:
-        with pytest.raises(ve.VLLMWorkerError, match="ValueError: fake generate failure") as info:
+    with vclient.VLLMEngine(model_dir, fake="error_generate", log_dir=tmp_path) as eng:
+        with pytest.raises(vipc.VLLMWorkerError, match="ValueError: fake generate failure") as info:
             eng.generate(_reqs())
-        assert "worker traceback" in str(info.value) and "fixtures/vllm/worker.py" in str(info.value)
+        assert "worker traceback" in str(info.value) and "fixtures/vllm/fake_backend.py" in str(info.value)
         assert "in generate" in str(info.value)
         assert eng.alive, "an error reply leaves the worker usable"
 
 
 def test_start_failure_is_clear_and_leaves_no_process(model_dir, tmp_path, monkeypatch):
     started = []
-    real_popen = ve.subprocess.Popen
-    monkeypatch.setattr(ve.subprocess, "Popen", lambda *a, **k: started.append(real_popen(*a, **k)) or started[-1])
-    with pytest.raises(ve.VLLMWorkerError, match="engine start raised RuntimeError: fake start failure"):
-        ve.VLLMEngine(model_dir, fake="fail_start", log_dir=tmp_path)
+    real_popen = vipc.subprocess.Popen
+    monkeypatch.setattr(vipc.subprocess, "Popen", lambda *a, **k: started.append(real_popen(*a, **k)) or started[-1])
+    with pytest.raises(vipc.VLLMWorkerError, match="engine start raised RuntimeError: fake start failure"):
+        vclient.VLLMEngine(model_dir, fake="fail_start", log_dir=tmp_path)
     assert started and started[0].poll() is not None
 
 
 def test_hang_times_out_and_kills(model_dir, tmp_path):
-    eng = ve.VLLMEngine(model_dir, fake="hang_generate", log_dir=tmp_path, call_timeout=3)
+    eng = vclient.VLLMEngine(model_dir, fake="hang_generate", log_dir=tmp_path, call_timeout=3)
     t0 = time.monotonic()
-    with pytest.raises(ve.VLLMWorkerTimeout, match="no answer within 3 s"):
+    with pytest.raises(vipc.VLLMWorkerTimeout, match="no answer within 3 s"):
         eng.generate(_reqs())
     assert time.monotonic() - t0 < 30 and eng.proc.poll() is not None and not eng.alive
-    with pytest.raises(ve.VLLMWorkerError, match="unusable"):
+    with pytest.raises(vipc.VLLMWorkerError, match="unusable"):
         eng.generate(_reqs())
     eng.close()
 
 
 def test_crash_is_reported_with_exit_code_and_log(model_dir, tmp_path):
-    eng = ve.VLLMEngine(model_dir, fake="crash_generate", log_dir=tmp_path)
-    with pytest.raises(ve.VLLMWorkerError, match="exited without answering") as info:
+    eng = vclient.VLLMEngine(model_dir, fake="crash_generate", log_dir=tmp_path)
+    with pytest.raises(vipc.VLLMWorkerError, match="exited without answering") as info:
         eng.generate(_reqs())
     assert "exit code 7" in str(info.value) and "fake worker crashing now" in str(info.value)
     eng.close()
@@ -372,13 +378,13 @@ def test_crash_is_reported_with_exit_code_and_log(model_dir, tmp_path):
 
 def test_unresolved_mode_fails_at_start(model_dir, tmp_path, monkeypatch):
     """An engine never claims a mode vLLM did not resolve (here: graphs asked, NONE resolved)."""
-    monkeypatch.setattr(ve, "resolution_mismatches", lambda eff, info: ["cuda_graphs: asked True, vLLM resolved NONE"])
-    with pytest.raises(ve.VLLMResolutionError, match="cuda_graphs: asked True"):
-        ve.VLLMEngine(model_dir, EngineSettings(cuda_graphs=True), fake="echo", log_dir=tmp_path)
+    monkeypatch.setattr(vclient, "resolution_mismatches", lambda eff, info: ["cuda_graphs: asked True, vLLM resolved NONE"])
+    with pytest.raises(vset.VLLMResolutionError, match="cuda_graphs: asked True"):
+        vclient.VLLMEngine(model_dir, EngineSettings(cuda_graphs=True), fake="echo", log_dir=tmp_path)
 
 
 def test_generate_validates_input(model_dir, tmp_path):
-    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
+    with vclient.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
         with pytest.raises(ValueError, match="empty prompt"):
             eng.generate([Request("e", (), SamplingParams())])
         with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -390,20 +396,20 @@ def test_generate_validates_input(model_dir, tmp_path):
 # the implementation: n/a where vLLM or CUDA is missing, engine reuse
 # ---------------------------------------------------------------------------------------------
 def test_make_engine_without_vllm_is_na(model_dir, monkeypatch):
-    monkeypatch.setattr(ve, "vllm_version", lambda: None)
+    monkeypatch.setattr(vimpl, "vllm_version", lambda: None)
     with pytest.raises(NotImplementedError, match=r"^n/a: vLLM is not installed \(pip install \.\[vllm\]"):
-        ve.VLLMImplementation().make_engine(model_dir)
+        vimpl.VLLMImplementation().make_engine(model_dir)
 
 
 def test_make_engine_without_cuda_is_na(model_dir, monkeypatch):
-    monkeypatch.setattr(ve, "vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(vimpl, "vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(NotImplementedError, match="^n/a: vLLM needs a CUDA device"):
-        ve.VLLMImplementation().make_engine(model_dir)
+        vimpl.VLLMImplementation().make_engine(model_dir)
 
 
 def test_engine_factory_turns_na_into_a_skip(pytester, monkeypatch):
-    monkeypatch.setattr(ve, "vllm_version", lambda: None)
+    monkeypatch.setattr(vimpl, "vllm_version", lambda: None)
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     pytester.makeconftest((ROOT / "conftest.py").read_text())
     pytester.makepyfile(test_engine="""
@@ -419,7 +425,7 @@ def test_engine(engine_factory):
 
 def test_describe_does_not_import_vllm():
     before = "vllm" in sys.modules
-    d = ve.VLLMImplementation().describe()
+    d = vimpl.VLLMImplementation().describe()
     assert {"impl", "engine", "attention_backend", "VLLM_BATCH_INVARIANT", "dtype", "device"} <= set(d)
     assert d["attention_backend"] == "FLASH_ATTN" and d["dtype"] == "bfloat16"
     assert ("vllm" in sys.modules) == before
@@ -427,14 +433,14 @@ def test_describe_does_not_import_vllm():
 
 def test_builtin_name_and_factories():
     from fixtures.core.loader import load_implementation
-    assert isinstance(load_implementation("vllm"), ve.VLLMImplementation)
-    assert ve.triton_attn().defaults.attention_backend == "TRITON_ATTN"
-    assert ve.native_defaults().defaults.cuda_graphs and ve.native_defaults().defaults.compilation
+    assert isinstance(load_implementation("vllm"), vimpl.VLLMImplementation)
+    assert vimpl.triton_attn().defaults.attention_backend == "TRITON_ATTN"
+    assert vimpl.native_defaults().defaults.cuda_graphs and vimpl.native_defaults().defaults.compilation
 
 
 def test_engines_are_reused_per_configuration(model_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
-    impl = ve.VLLMImplementation(fake="echo", max_idle=1)
+    impl = vimpl.VLLMImplementation(fake="echo", max_idle=1)
     try:
         with impl.make_engine(model_dir) as e1:
             pid1 = e1.engine.proc.pid
@@ -460,7 +466,7 @@ def test_engines_are_reused_per_configuration(model_dir, monkeypatch, tmp_path):
 
 def test_closed_lease_refuses_use(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
-    impl = ve.VLLMImplementation(fake="echo", max_idle=0)
+    impl = vimpl.VLLMImplementation(fake="echo", max_idle=0)
     lease = impl.make_engine(model_dir)
     proc = lease.engine.proc
     lease.close()
@@ -472,22 +478,22 @@ def test_closed_lease_refuses_use(model_dir, tmp_path, monkeypatch):
 
 def test_prespawned_worker_is_used_only_for_its_environment(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
-    pool = ve.EnginePool(max_idle=0, prespawn=True)
+    pool = vpool.EnginePool(max_idle=0, prespawn=True)
     try:
         monkeypatch.setenv("PYTEST_CURRENT_TEST", "some other test (setup)")
-        pool.refill(ve.worker_env(EngineSettings(), fake="echo"))
+        pool.refill(vipc.worker_env(EngineSettings(), fake="echo"))
         monkeypatch.setenv("PYTEST_CURRENT_TEST", "this test (call)")
-        env = ve.worker_env(EngineSettings(), fake="echo")
+        env = vipc.worker_env(EngineSettings(), fake="echo")
         spare_pid = pool.spare.proc.pid
-        assert pool.take_spare(ve.worker_env(EngineSettings(batch_invariant=False), fake="echo")) is None
+        assert pool.take_spare(vipc.worker_env(EngineSettings(batch_invariant=False), fake="echo")) is None
         assert pool.spare is not None, "a spare for another environment stays for a later start"
-        with ve.VLLMEngine(model_dir, fake="echo", spawned=pool.take_spare(env)) as eng:
+        with vclient.VLLMEngine(model_dir, fake="echo", spawned=pool.take_spare(env)) as eng:
             assert eng.proc.pid == spare_pid and pool.spare is None and pool.spares_used == 1
             assert eng.generate(_reqs()[:1])[0].request_id == "a"
             assert "# settings:" in eng.log_path.read_text()
         pool.refill(env)
         stale = pool.spare
-        with ve.VLLMEngine(model_dir, EngineSettings(batch_invariant=False), fake="echo", spawned=stale) as eng:
+        with vclient.VLLMEngine(model_dir, EngineSettings(batch_invariant=False), fake="echo", spawned=stale) as eng:
             assert eng.proc.pid != stale.proc.pid and eng.info["env"]["VLLM_BATCH_INVARIANT"] == "0"
         assert stale.proc.poll() is not None, "a spare handed to the wrong environment is discarded"
     finally:
@@ -500,7 +506,7 @@ def test_prespawned_worker_is_used_only_for_its_environment(model_dir, tmp_path,
 @pytest.fixture(scope="module")
 def real_impl():
     """The real implementation (one per module: one pre-spawned worker, engines closed on release)."""
-    impl = ve.VLLMImplementation(max_idle=0)
+    impl = vimpl.VLLMImplementation(max_idle=0)
     why = impl.unavailable()
     if why:
         pytest.skip(why)
@@ -590,23 +596,23 @@ def test_canonical_weights_split_merged_projections():
               ("model.layers.0.mlp.gate_up_proj.weight", torch.cat([g, u])),
               ("model.norm.weight", torch.ones(4))]
     sizes = {"model.layers.0.self_attn.qkv_proj": [8, 2, 2], "model.layers.0.mlp.gate_up_proj": [6, 6]}
-    out = dict(ve.canonical_weights(params, sizes))
+    out = dict(vconv.canonical_weights(params, sizes))
     assert list(out) == ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                          "model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.gate_proj.weight",
                          "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
     assert torch.equal(out["model.layers.0.self_attn.k_proj.weight"], k)
     assert torch.equal(out["model.layers.0.mlp.up_proj.weight"], u)
     with pytest.raises(ValueError, match="cannot split"):
-        list(ve.canonical_weights(params, {"model.layers.0.self_attn.qkv_proj": [8, 4]}))
+        list(vconv.canonical_weights(params, {"model.layers.0.self_attn.qkv_proj": [8, 4]}))
     w13, w2 = torch.arange(2 * 6 * 4.0).reshape(2, 6, 4), torch.arange(2 * 4 * 3.0).reshape(2, 4, 3)
-    moe = dict(ve.canonical_weights([("model.layers.0.mlp.experts.routed_experts.w13_weight", w13),
+    moe = dict(vconv.canonical_weights([("model.layers.0.mlp.experts.routed_experts.w13_weight", w13),
                                      ("model.layers.0.mlp.experts.w2_weight", w2)], {}))
     assert sorted(moe) == sorted(f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in (0, 1)
                                  for p in ("gate_proj", "up_proj", "down_proj"))
     assert torch.equal(moe["model.layers.0.mlp.experts.1.up_proj.weight"], w13[1, 3:])
     assert torch.equal(moe["model.layers.0.mlp.experts.0.down_proj.weight"], w2[0])
     with pytest.raises(NotImplementedError, match="^n/a: canonical checkpoint names of vLLM's fused MoE"):
-        list(ve.canonical_weights([("model.layers.0.mlp.experts.w13_weight_scale", torch.zeros(2, 4))], {}))
+        list(vconv.canonical_weights([("model.layers.0.mlp.experts.w13_weight_scale", torch.zeros(2, 4))], {}))
 
 
 def test_weight_push_through_the_worker_protocol(model_dir, tmp_path):
@@ -615,7 +621,7 @@ def test_weight_push_through_the_worker_protocol(model_dir, tmp_path):
     from fixtures.reference.hf_trainer import tensor_sha256
     weights = {"model.embed_tokens.weight": torch.randn(10, 4, dtype=torch.bfloat16),
                "model.norm.weight": torch.ones(4, dtype=torch.bfloat16)}
-    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
+    with vclient.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
         assert eng.capabilities().weight_update
         eng.load_weights(weights)
         assert eng.weight_hashes() == {k: tensor_sha256(v) for k, v in weights.items()}
@@ -627,14 +633,14 @@ def test_tensor_parallel_is_a_setting_vllm_must_honour():
     """TP=2 reaches vLLM's kwargs, is part of the engine identity, and a worker that resolved
     another degree is refused; the kernel inventory is n/a there (runners in vLLM's workers)."""
     from dataclasses import replace
-    tp2 = replace(ve.EAGER_DEFAULTS, tensor_parallel_size=2)
-    assert ve.llm_kwargs("/m", EngineSettings(), tp2)["tensor_parallel_size"] == 2
-    assert ve.llm_kwargs("/m", EngineSettings())["tensor_parallel_size"] == 1
-    assert ve.engine_key("/m", EngineSettings(), tp2) != ve.engine_key("/m", EngineSettings())
-    eff = ve.effective_settings(EngineSettings(), tp2)
-    assert any("tensor_parallel_size" in m for m in ve.resolution_mismatches(eff, _info(tensor_parallel_size=1)))
-    assert ve.tensor_parallel_2().defaults.tensor_parallel_size == 2
-    tp2_trainer = ve.tensor_parallel_2_engine_kernels()
+    tp2 = replace(vset.EAGER_DEFAULTS, tensor_parallel_size=2)
+    assert vset.llm_kwargs("/m", EngineSettings(), tp2)["tensor_parallel_size"] == 2
+    assert vset.llm_kwargs("/m", EngineSettings())["tensor_parallel_size"] == 1
+    assert vset.engine_key("/m", EngineSettings(), tp2) != vset.engine_key("/m", EngineSettings())
+    eff = vset.effective_settings(EngineSettings(), tp2)
+    assert any("tensor_parallel_size" in m for m in vset.resolution_mismatches(eff, _info(tensor_parallel_size=1)))
+    assert vimpl.tensor_parallel_2().defaults.tensor_parallel_size == 2
+    tp2_trainer = vimpl.tensor_parallel_2_engine_kernels()
     assert tp2_trainer.defaults.tensor_parallel_size == 2 and tp2_trainer.trainer_kind == "engine-kernels"
     assert "TP=2" in tp2_trainer.describe()["trainer"] and "tensor_parallel_size=2" in tp2.describe()
 
@@ -644,16 +650,16 @@ def test_module_outputs_through_the_worker_protocol(model_dir, tmp_path):
     (fake backend: two canned points); the file is not left behind; n/a at TP>1, refused when
     graphs or compilation would bypass the hooks."""
     from dataclasses import replace
-    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
+    with vclient.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
         got = eng.module_outputs([3, 1, 4, 1, 5])
     assert [k for k, _ in got] == ["model.embed_tokens", "model.norm"]
     assert got[1][1].flatten().tolist() == [6.0, 2.0, 8.0, 2.0, 10.0]
     assert not list(tmp_path.glob("*.modules.safetensors"))
-    with ve.VLLMEngine(model_dir, EngineSettings(cuda_graphs=True), fake="echo", log_dir=tmp_path) as eng:
+    with vclient.VLLMEngine(model_dir, EngineSettings(cuda_graphs=True), fake="echo", log_dir=tmp_path) as eng:
         with pytest.raises(ValueError, match="needs an eager engine"):
             eng.module_outputs([1, 2])
-    tp2 = replace(ve.EAGER_DEFAULTS, tensor_parallel_size=2)
-    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path, defaults=tp2) as eng:
+    tp2 = replace(vset.EAGER_DEFAULTS, tensor_parallel_size=2)
+    with vclient.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path, defaults=tp2) as eng:
         with pytest.raises(NotImplementedError, match="^n/a: module outputs"):
             eng.module_outputs([1, 2])
 
@@ -661,14 +667,14 @@ def test_module_outputs_through_the_worker_protocol(model_dir, tmp_path):
 def test_transformers_backend_is_a_setting_vllm_must_honour():
     """model_impl reaches vLLM's kwargs only when asked; a worker that loaded a native class
     instead is refused; that engine's module points are transformers-named."""
-    tb = ve.transformers_backend()
+    tb = vimpl.transformers_backend()
     assert tb.defaults.model_impl == "transformers" and tb.trainer_kind == "engine-kernels"
-    assert ve.llm_kwargs("/m", EngineSettings(), tb.defaults)["model_impl"] == "transformers"
-    assert "model_impl" not in ve.llm_kwargs("/m", EngineSettings())
-    eff = ve.effective_settings(EngineSettings(), tb.defaults)
-    assert any("model_impl" in m for m in ve.resolution_mismatches(eff, _info(model_class="Qwen3ForCausalLM")))
+    assert vset.llm_kwargs("/m", EngineSettings(), tb.defaults)["model_impl"] == "transformers"
+    assert "model_impl" not in vset.llm_kwargs("/m", EngineSettings())
+    eff = vset.effective_settings(EngineSettings(), tb.defaults)
+    assert any("model_impl" in m for m in vset.resolution_mismatches(eff, _info(model_class="Qwen3ForCausalLM")))
     assert not any("model_impl" in m for m in
-                   ve.resolution_mismatches(eff, _info(model_class="TransformersForCausalLM")))
+                   vset.resolution_mismatches(eff, _info(model_class="TransformersForCausalLM")))
 
 
 def test_record_rows_through_the_worker_protocol(model_dir, tmp_path):
@@ -676,10 +682,10 @@ def test_record_rows_through_the_worker_protocol(model_dir, tmp_path):
     generate(); alone vs in a batch, the first differing point is named (fake backend: its
     'model.norm' row carries the batch size). n/a at TP>1; the engine reports its TP degree."""
     from dataclasses import replace
-    from fixtures.diagnose.localise import localise_in_engine
+    from fixtures.diagnose.engine_rows import localise_in_engine
     needle = Request("needle", (3, 1, 4), SamplingParams(max_tokens=2))
     batch = [Request("a", (9, 9), SamplingParams(max_tokens=2)), needle]
-    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
+    with vclient.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path) as eng:
         with eng.record_rows("needle") as rows:
             eng.generate([needle])
         assert sorted(rows.rows) == sorted((p, m) for p in range(3) for m in ("model.embed_tokens", "model.norm"))
@@ -688,8 +694,8 @@ def test_record_rows_through_the_worker_protocol(model_dir, tmp_path):
         assert eng.tensor_parallel_size == 1
         assert "equal" in localise_in_engine(eng, needle, [needle], 0)
     assert not list(tmp_path.glob("*.rows.safetensors"))
-    tp2 = replace(ve.EAGER_DEFAULTS, tensor_parallel_size=2)
-    with ve.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path, defaults=tp2) as eng:
+    tp2 = replace(vset.EAGER_DEFAULTS, tensor_parallel_size=2)
+    with vclient.VLLMEngine(model_dir, fake="echo", log_dir=tmp_path, defaults=tp2) as eng:
         assert eng.tensor_parallel_size == 2
         with pytest.raises(NotImplementedError, match="^n/a: rows are recorded"):
             with eng.record_rows("needle"):

@@ -1,16 +1,17 @@
-"""fixtures.vllm.kernels without a GPU: reading a profiler trace (kernel -> launch -> innermost op,
-module and phase), the kernel table on the kernel names vLLM 0.26 launches on Hopper, the
-inventory's claims both ways, and the kernel_inventory command end to end through the worker's
-fake backend. The GPU side runs in tests_c0_inventory/test_c0_engine_kernels.py and
-tests_c5_invariance/test_c2_vllm_kernels.py."""
+"""fixtures.vllm.kernel_inventory and kernel_cases without a GPU: reading a profiler trace (kernel
+-> launch -> innermost op, module and phase), the kernel table on the kernel names vLLM 0.26
+launches on Hopper, the inventory's claims both ways, and the kernel_inventory command end to
+end through the worker's fake backend. The GPU side runs in
+tests_c0_inventory/test_c0_engine_kernels.py and tests_c5_invariance/test_c2_vllm_kernels.py."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from fixtures.vllm import engine as ve
-from fixtures.vllm import kernels as VK
+from fixtures.vllm import client as vclient
+from fixtures.vllm import kernel_cases as VKC
+from fixtures.vllm import kernel_inventory as VKI
 from fixtures.core.kernel_table import Policy
 
 
@@ -44,7 +45,7 @@ def synthetic_trace():
 
 
 def test_read_trace_links_kernels_to_op_module_and_phase():
-    got = {l.kernel.split("<")[0]: l for l in VK.read_trace(synthetic_trace())}
+    got = {l.kernel.split("<")[0]: l for l in VKI.read_trace(synthetic_trace())}
     gemm = got["matmul_kernel_persistent"]
     # a bare Triton launch right after an op closed: no op, but the module range and the step
     assert (gemm.op, gemm.module, gemm.module_class, gemm.phase) == (
@@ -76,31 +77,31 @@ def test_read_trace_links_kernels_to_op_module_and_phase():
     ("void at::native::index_elementwise_kernel<...>", "aten::index", Policy.MOVEMENT, ""),
 ])
 def test_kernel_table_on_hopper_names(kernel, op, policy, case):
-    rule = VK.classify(kernel, op)
+    rule = VKI.classify(kernel, op)
     assert rule is not None, f"{kernel} under {op} is unmapped"
     assert (rule.policy, rule.case) == (policy, case), f"{kernel} under {op}: {rule}"
 
 
 def test_unknown_kernel_is_unmapped():
-    assert VK.classify("some_new_custom_reduction_kernel", "_C::mystery") is None
+    assert VKI.classify("some_new_custom_reduction_kernel", "_C::mystery") is None
 
 
 def test_every_rule_names_an_existing_case():
     """The table's claims point at cases the C2 file runs (and only KERNEL rules name one)."""
-    for rule in VK.RULES:
+    for rule in VKI.RULES:
         if rule.policy is Policy.KERNEL:
-            assert rule.case in VK.CASES and not VK.CASES[rule.case].planted, rule
+            assert rule.case in VKC.CASES and not VKC.CASES[rule.case].planted, rule
         else:
             assert not rule.case, rule
 
 
 def test_inventory_summary_and_artifacts():
-    inv = VK.KernelInventory.from_launches(VK.read_trace(synthetic_trace()), model="m", settings={"x": 1},
+    inv = VKI.KernelInventory.from_launches(VKI.read_trace(synthetic_trace()), model="m", settings={"x": 1},
                                            module_classes={"Qwen3MLP": ["model.layers.0.mlp"]})
     assert inv.launches == 4 and not inv.unmapped
     assert set(inv.kernel_cases()) == {"linear", "silu_and_mul"}
-    head = VK.Launch("matmul_kernel_persistent", "", "logits_processor", "LogitsProcessor", "sample")
-    with_head = VK.KernelInventory.from_launches([head], model="m", settings={})
+    head = VKI.Launch("matmul_kernel_persistent", "", "logits_processor", "LogitsProcessor", "sample")
+    with_head = VKI.KernelInventory.from_launches([head], model="m", settings={})
     assert set(with_head.kernel_cases()) == {"linear", "lm_head"}
     assert inv.phases_seen() == {"decode", "prefill"}
     json.dumps(inv.as_dict())
@@ -109,11 +110,11 @@ def test_inventory_summary_and_artifacts():
 
 
 def test_cases_for_dense_and_moe():
-    dense = VK.dims_from_config({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512})
-    moe = VK.dims_from_config({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512, "num_experts": 8,
+    dense = VKC.dims_from_config({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512})
+    moe = VKC.dims_from_config({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512, "num_experts": 8,
                                "num_experts_per_tok": 2, "moe_intermediate_size": 32})
-    assert "fused_moe" not in VK.cases_for(dense) and "fused_moe" in VK.cases_for(moe)
-    assert not any(VK.CASES[c].planted for c in VK.cases_for(moe))
+    assert "fused_moe" not in VKC.cases_for(dense) and "fused_moe" in VKC.cases_for(moe)
+    assert not any(VKC.CASES[c].planted for c in VKC.cases_for(moe))
     assert dense["head_dim"] == 16 and dense["kv_heads"] == 4
 
 
@@ -124,7 +125,7 @@ def test_kernel_inventory_through_the_worker_protocol(tmp_path):
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000, "eos_token_id": 7}))
     from fixtures.core.contract import Request, SamplingParams
-    with ve.VLLMEngine(d, fake="echo", log_dir=tmp_path) as eng:
+    with vclient.VLLMEngine(d, fake="echo", log_dir=tmp_path) as eng:
         inv = eng.kernel_inventory([Request("a", (1, 2, 3), SamplingParams(max_tokens=2))], model="fake")
     assert inv.launches == 4
     assert [e.kernel for e in inv.unmapped] == ["fake_mystery_kernel"]
@@ -137,7 +138,7 @@ def test_kernel_inventory_refuses_graphs(tmp_path):
     d = tmp_path / "model"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000, "eos_token_id": 7}))
-    with ve.VLLMEngine(d, EngineSettings(cuda_graphs=True), fake="echo", log_dir=tmp_path) as eng:
+    with vclient.VLLMEngine(d, EngineSettings(cuda_graphs=True), fake="echo", log_dir=tmp_path) as eng:
         with pytest.raises(ValueError, match="eager"):
             eng.kernel_inventory([])
 
@@ -150,10 +151,10 @@ def test_refused_invariance_is_a_clear_red_not_a_skip(tmp_path):
     d = tmp_path / "model"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "nemotron_h", "vocab_size": 1000, "eos_token_id": 7}))
-    with pytest.raises(ve.VLLMInvarianceRefused, match="MAMBA2_ATTN.*gate is red"):
-        ve.VLLMEngine(d, fake="refuse_bi", log_dir=tmp_path)
-    assert not issubclass(ve.VLLMInvarianceRefused, NotImplementedError)   # never read as "n/a"
-    with ve.VLLMEngine(d, EngineSettings(batch_invariant=False), fake="refuse_bi", log_dir=tmp_path) as stock:
+    with pytest.raises(vclient.VLLMInvarianceRefused, match="MAMBA2_ATTN.*gate is red"):
+        vclient.VLLMEngine(d, fake="refuse_bi", log_dir=tmp_path)
+    assert not issubclass(vclient.VLLMInvarianceRefused, NotImplementedError)   # never read as "n/a"
+    with vclient.VLLMEngine(d, EngineSettings(batch_invariant=False), fake="refuse_bi", log_dir=tmp_path) as stock:
         assert stock.alive
 
 
@@ -177,7 +178,7 @@ def test_refused_invariance_is_a_clear_red_not_a_skip(tmp_path):
 def test_kernel_table_on_h200_names(kernel, op, policy, case):
     """The kernel names the H200 run listed; the fused-add norm's name is truncated by the
     profiler to its enable_if prefix, so it is matched by its op (see the rule)."""
-    rule = VK.classify(kernel, op)
+    rule = VKI.classify(kernel, op)
     if policy is None:
         assert rule is not None and rule.case == "fused_add_rms_norm", rule
         return
@@ -194,16 +195,16 @@ def test_kernel_worker_protocol_and_row_check(tmp_path):
     from fixtures.core.comparison import BitwiseMismatch
     dims = {"hidden": 64, "intermediate": 32, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 100,
             "experts": 0, "top_k": 0, "moe_intermediate": 0}
-    worker = VK.KernelWorker(batch_invariant=True, dims=dims, log_dir=tmp_path, fake="echo")
+    worker = VKC.KernelWorker(batch_invariant=True, dims=dims, log_dir=tmp_path, fake="echo")
     try:
         assert worker.info["vllm"] == "fake" and worker.info["batch_invariant"]
-        VK.check_rows(worker, "rms_norm", [1, 7, 64, 257])
+        VKC.check_rows(worker, "rms_norm", [1, 7, 64, 257])
         with pytest.raises(BitwiseMismatch, match=r"(?s)row 0 of a 64-token call != row 0 alone.*0x"):
-            VK.check_rows(worker, "planted_split_k_from_64", [1, 64])
+            VKC.check_rows(worker, "planted_split_k_from_64", [1, 64])
         with pytest.raises(BitwiseMismatch, match=r"(?s)row 11 of a 256-token call != row 11 alone.*"
                                                   r"rows_differing_from_alone: 7 of 256, 7 of 257"):
-            VK.check_rows(worker, "planted_rare_rows_from_256", [1, 7, 255, 256, 257])   # no probe row is hit
-        with pytest.raises(VK.KernelWorkerError, match="unknown kernel case 'nope'"):
+            VKC.check_rows(worker, "planted_rare_rows_from_256", [1, 7, 255, 256, 257])   # no probe row is hit
+        with pytest.raises(VKC.KernelWorkerError, match="unknown kernel case 'nope'"):
             worker.run("nope", [1])
     finally:
         worker.close()
@@ -216,7 +217,7 @@ def test_profile_launches_on_cpu_leaves_no_hooks(tmp_path):
     import torch
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     calls = []
-    launches, classes = VK.profile_launches(lambda: calls.append(model(torch.ones(2, 4))), model,
+    launches, classes = VKI.profile_launches(lambda: calls.append(model(torch.ones(2, 4))), model,
                                             tmp_path / "t.json", phase="train-forward")
     assert calls and (tmp_path / "t.json").is_file() and launches == []
     assert classes == {"Sequential": ["<model>"], "Linear": ["0"], "ReLU": ["1"]}
@@ -224,14 +225,14 @@ def test_profile_launches_on_cpu_leaves_no_hooks(tmp_path):
 
 
 def test_trainer_kernels_must_be_the_engines():
-    engine = VK.KernelInventory.from_launches(
-        [VK.Launch("matmul_kernel_persistent", "", "m", "Linear", "prefill"),
-         VK.Launch("_rms_norm_kernel", "", "n", "RMSNorm", "prefill")], model="e", settings={})
-    same = VK.KernelInventory.from_launches([VK.Launch("matmul_kernel_persistent", "", "m", "Linear", "train-forward")],
+    engine = VKI.KernelInventory.from_launches(
+        [VKI.Launch("matmul_kernel_persistent", "", "m", "Linear", "prefill"),
+         VKI.Launch("_rms_norm_kernel", "", "n", "RMSNorm", "prefill")], model="e", settings={})
+    same = VKI.KernelInventory.from_launches([VKI.Launch("matmul_kernel_persistent", "", "m", "Linear", "train-forward")],
                                             model="t", settings={})
-    other = VK.KernelInventory.from_launches(
-        [VK.Launch("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT", "aten::mm", "m", "Linear", "train-forward"),
-         VK.Launch("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>", "aten::add", "", "",
+    other = VKI.KernelInventory.from_launches(
+        [VKI.Launch("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT", "aten::mm", "m", "Linear", "train-forward"),
+         VKI.Launch("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>", "aten::add", "", "",
                    "train-forward")], model="t", settings={})
-    assert VK.engine_kernels_missing(same, engine) == []
-    assert VK.engine_kernels_missing(other, engine) == ["nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT"]
+    assert VKI.engine_kernels_missing(same, engine) == []
+    assert VKI.engine_kernels_missing(other, engine) == ["nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT"]

@@ -1,8 +1,9 @@
-"""fixtures.vllm.trainer on the CPU: the engine-layout forward (vLLM's op order: merged QKV and
-gate-up GEMMs, per-head q/k norm, flat neox rotary, fused residual-add norms) computes the same
-model as transformers, forward and backward, with the plain-torch provider; kernel_op gives the
-kernel's forward bits and the reference's gradient; unsupported models are "n/a". The GPU provider
-(vLLM's own kernels) is exercised by gate C7 with --impl fixtures.vllm.engine:engine_kernel_trainer."""
+"""fixtures.vllm.trainer and its ops (fixtures.vllm.trainer_ops) on the CPU: the engine-layout
+forward (vLLM's op order: merged QKV and gate-up GEMMs, per-head q/k norm, flat neox rotary, fused
+residual-add norms) computes the same model as transformers, forward and backward, with the
+plain-torch provider; kernel_op gives the kernel's forward bits and the reference's gradient;
+unsupported models are "n/a". The GPU provider (vLLM's own kernels) is exercised by gate C7 with
+--impl fixtures.vllm.implementation:engine_kernel_trainer."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from fixtures.reference import kernels as K
 from fixtures.models import proxies as P
 from fixtures.vllm import trainer as VT
+from fixtures.vllm import trainer_ops as VO
 from fixtures.core.contract import Layout
 from fixtures.reference.hf_trainer import HFTrainer, token_logprobs
 
@@ -35,7 +37,7 @@ def _hf_logprobs(model, seqs):
 
 
 def test_engine_layout_forward_is_the_same_model(proxy_dir):
-    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=torch.float32, device="cpu")
     with torch.no_grad():
         mine = trainer.logprobs_with_grad(SEQS, layout=Layout.PACKED)
         ref = _hf_logprobs(trainer.model, SEQS)
@@ -50,7 +52,7 @@ def test_engine_layout_backward_matches_transformers(proxy_dir):
     bound is derived from this machine's own float32 error, not a fixed tolerance, so a CPU whose
     BLAS rounds differently moves both errors together."""
     import copy
-    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=torch.float32, device="cpu")
     model = trainer.model
     model64 = copy.deepcopy(model).double()
     if hasattr(model64, "set_experts_implementation"):
@@ -78,25 +80,25 @@ def test_kernel_op_forward_is_the_kernels_and_gradient_the_references():
     w = torch.randn(3, 8, requires_grad=True)
 
     def kernel(a, b):                   # a "kernel" that rounds differently from the reference
-        return VT.ref_linear(a, b) + 1e-3
-    y = VT.kernel_op(kernel, VT.ref_linear, x, w)
+        return VO.ref_linear(a, b) + 1e-3
+    y = VO.kernel_op(kernel, VO.ref_linear, x, w)
     assert torch.equal(y.detach(), kernel(x.detach(), w.detach()))
     y.sum().backward()
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    VT.ref_linear(x2, w2).sum().backward()
+    VO.ref_linear(x2, w2).sum().backward()
     assert torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
 
 
 def test_tuple_outputs_and_integer_inputs():
     x, r, w = torch.randn(3, 6, requires_grad=True), torch.randn(3, 6, requires_grad=True), torch.ones(6)
-    y, res = VT.kernel_op(lambda a, b, c: VT.ref_fused_add_rms_norm(a, b, c, 1e-6),
-                          lambda a, b, c: VT.ref_fused_add_rms_norm(a, b, c, 1e-6), x, r, w)
+    y, res = VO.kernel_op(lambda a, b, c: VO.ref_fused_add_rms_norm(a, b, c, 1e-6),
+                          lambda a, b, c: VO.ref_fused_add_rms_norm(a, b, c, 1e-6), x, r, w)
     (y.sum() + 2 * res.sum()).backward()
     assert x.grad is not None and r.grad is not None
     pos = torch.arange(3)
     q, k = torch.randn(3, 8, requires_grad=True), torch.randn(3, 4, requires_grad=True)
-    fn = lambda p, a, b: VT.ref_rotary(a, b, *VT.rope_cos_sin(p, 4, 10000.0, a.dtype), 4)  # noqa: E731
-    qo, ko = VT.kernel_op(fn, fn, pos, q, k)
+    fn = lambda p, a, b: VO.ref_rotary(a, b, *VO.rope_cos_sin(p, 4, 10000.0, a.dtype), 4)  # noqa: E731
+    qo, ko = VO.kernel_op(fn, fn, pos, q, k)
     (qo.sum() + ko.sum()).backward()
     assert q.grad is not None and k.grad is not None
 
@@ -106,11 +108,11 @@ def test_tuple_outputs_and_integer_inputs():
 def test_unsupported_models_are_na(model, why, tmp_path):
     d = P.build_proxy(model, "tiny", tmp_path / model, seed=0).path
     with pytest.raises(NotImplementedError, match=f"^n/a: the engine-kernel trainer .*{why}"):
-        VT.EngineKernelTrainer(d, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+        VT.EngineKernelTrainer(d, VO.ReferenceOps, dtype=torch.float32, device="cpu")
 
 
 def test_packed_only(proxy_dir):
-    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=torch.float32, device="cpu")
     assert trainer.layouts == (Layout.PACKED,)
     with pytest.raises(NotImplementedError, match="n/a"):
         trainer.logprobs(SEQS, layout=Layout.PADDED)
@@ -122,14 +124,14 @@ def test_engine_model_runner_follows_vllm_rules(monkeypatch):
     VLLM_USE_V2_MODEL_RUNNER overrides."""
     from fixtures.models.proxies import source_config
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    got = {m: VT.engine_model_runner(source_config(m)) for m in ("qwen3", "llama", "qwen3_moe", "nemotron_h", "mamba2")}
+    got = {m: VO.engine_model_runner(source_config(m)) for m in ("qwen3", "llama", "qwen3_moe", "nemotron_h", "mamba2")}
     assert got == {"qwen3": "v2", "llama": "v2", "qwen3_moe": "v1", "nemotron_h": "v1", "mamba2": "v1"}
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    assert VT.engine_model_runner(source_config("qwen3_moe")) == "v2"
+    assert VO.engine_model_runner(source_config("qwen3_moe")) == "v2"
 
 
 def test_hf_rotary_is_transformers_rotary_bit_for_bit(proxy_dir):
-    """The transformers-backend trainer's rotary (fixtures.vllm.trainer.hf_rotary) equals
+    """The transformers-backend trainer's rotary (fixtures.vllm.trainer_ops.hf_rotary) equals
     transformers' own rotary_emb + apply_rotary_pos_emb in bf16, bit for bit (CPU, torch.bmm)."""
     from transformers import AutoConfig
     from transformers.models.qwen3 import modeling_qwen3 as mq
@@ -145,7 +147,7 @@ def test_hf_rotary_is_transformers_rotary_bit_for_bit(proxy_dir):
     cos, sin = rope(q[None], pos[None])
     ref_q, ref_k = mq.apply_rotary_pos_emb(q.view(1, T, -1, hd).transpose(1, 2), k.view(1, T, -1, hd).transpose(1, 2),
                                            cos, sin)
-    mq_, mk_, mcos, msin = VT.hf_rotary(pos, q, k, hd, VT._rope_theta(cfg))
+    mq_, mk_, mcos, msin = VO.hf_rotary(pos, q, k, hd, VO.rope_theta(cfg))
     assert torch.equal(mcos, cos[0]) and torch.equal(msin, sin[0])
     assert torch.equal(mq_, ref_q.transpose(1, 2).reshape(T, -1))
     assert torch.equal(mk_, ref_k.transpose(1, 2).reshape(T, -1))
@@ -162,14 +164,14 @@ def test_all_reduce_rounds_the_exact_sum_once():
         a = (torch.randn(4096, generator=g) * scale).to(torch.bfloat16)
         b = (torch.randn(4096, generator=g) * torch.logspace(-6, 2, 4096)).to(torch.bfloat16)
         exact = (a.double() + b.double()).to(torch.bfloat16)
-        assert torch.equal(VT.ref_all_reduce(a, b), exact)
-        assert torch.equal(VT.ref_all_reduce(a, b), VT.ref_all_reduce(b, a))
+        assert torch.equal(VO.ref_all_reduce(a, b), exact)
+        assert torch.equal(VO.ref_all_reduce(a, b), VO.ref_all_reduce(b, a))
 
 
 def test_tensor_parallel_forward_and_backward_are_the_same_model(proxy_dir):
     """TP=2 arithmetic (per-rank heads and MLP / expert slices, row-parallel partials summed)
     computes the TP=1 model: equal within float32 rounding, forward and gradient."""
-    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=torch.float32, device="cpu")
     model = trainer.model
     weights = [torch.linspace(-1, 1, len(s) - 1) for s in SEQS]
 
@@ -192,7 +194,7 @@ def test_tensor_parallel_forward_and_backward_are_the_same_model(proxy_dir):
 def test_tensor_parallel_rounds_differently_in_bf16(proxy_dir):
     """Why C7 needs the engine's TP degree: in bf16 the per-rank partials round before the sum,
     so TP=2 arithmetic gives other bits than TP=1 (the C7 control relies on this)."""
-    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.bfloat16, device="cpu")
+    trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=torch.bfloat16, device="cpu")
     with torch.no_grad():
         one = trainer.logprobs(SEQS, layout=Layout.PACKED)
         with trainer.at_tensor_parallel(2):
@@ -203,7 +205,7 @@ def test_tensor_parallel_rounds_differently_in_bf16(proxy_dir):
 
 
 def test_tensor_parallel_records_only_whole_points(proxy_dir):
-    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu", tensor_parallel=2)
+    trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=torch.float32, device="cpu", tensor_parallel=2)
     assert trainer.tensor_parallel_size == 2 and "TP=2" in trainer.name
     points = trainer.module_outputs(SEQS[0])
     assert "model.layers.0.self_attn.o_proj" in points and "logits_processor" in points
@@ -211,16 +213,16 @@ def test_tensor_parallel_records_only_whole_points(proxy_dir):
 
 
 def test_indivisible_tensor_parallel_is_na(proxy_dir):
-    trainer = VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu")
+    trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=torch.float32, device="cpu")
     heads = trainer.model.config.num_attention_heads
     with pytest.raises(NotImplementedError, match=f"^n/a: attention heads {heads}, .* not divisible by TP=3"):
         with trainer.at_tensor_parallel(3):
             pass
     with pytest.raises(NotImplementedError, match="TP=3"):
-        VT.EngineKernelTrainer(proxy_dir, VT.ReferenceOps, dtype=torch.float32, device="cpu", tensor_parallel=3)
+        VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=torch.float32, device="cpu", tensor_parallel=3)
 
 
-class _RowInvariantOps(VT.ReferenceOps):
+class _RowInvariantOps(VO.ReferenceOps):
     """ReferenceOps with the row-wise ops served by the suite's invariant kernels: a stock CPU
     GEMM or row reduction may round a row by the call's row count (MKL does on AVX-512 and
     under MKL_CBWR), and a localisation self-test must not depend on this CPU's BLAS."""

@@ -1,0 +1,1 @@
+"""Examples of adapters for `--impl` (README, "Plugging in your own system")."""
