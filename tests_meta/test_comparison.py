@@ -30,7 +30,20 @@ def test_one_ulp_fails_with_hex_and_ulp():
     assert "differing positions: 1 of 6" in msg
     assert "batch_size: 64" in msg
     assert "environment:" in msg and "repro: pytest" in msg
+    assert "what to do: docs/porting-guide.md" in msg
     assert info.value.diff.first == (1, 2) and info.value.diff.ulp == 1
+
+
+def test_a_failure_points_to_its_gates_porting_guide_section():
+    from fixtures.core import environment
+    before = dict(environment._current)
+    environment.set_current_test("tests_c5_invariance/test_c3_engine_batch.py::t", {"gate": "C3"})
+    try:
+        with pytest.raises(BitwiseMismatch) as info:
+            assert_bitwise(torch.zeros(2), torch.ones(2), what="x")
+        assert "what to do: docs/porting-guide.md#c3 (C3)" in str(info.value)
+    finally:
+        environment._current.update(before)
 
 
 def test_nan_never_passes():

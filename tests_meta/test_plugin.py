@@ -67,7 +67,7 @@ def test_upto_blocks_later_gates_and_reports(suite):
                                "name": "answer", "value": 42}]
     assert (pt.path / "rep" / "junit.xml").is_file()
     md = (pt.path / "rep" / "report.md").read_text()
-    assert "| C1 | Proxy model | [ ] fail (1/2) |" in md
+    assert "| C1 | [Proxy model](docs/porting-guide.md#c1) | [ ] fail (1/2) |" in md
 
 
 def test_all_green_gives_pass_and_not_run(suite):
@@ -183,7 +183,7 @@ def test_slow():
                              "-p", "no:cacheprovider", "--report=rep"], cwd=pt.path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     report = pt.path / "rep" / "report.json"
-    deadline = time.time() + 60
+    deadline = time.time() + 300    # only a cap: a starved 2-core machine can take minutes to start pytest
     while time.time() < deadline and not report.exists():
         time.sleep(0.2)
     assert report.exists(), "no report was written while the run was going on"
@@ -191,7 +191,7 @@ def test_slow():
     assert doc["run"]["status"] == "running" and "did not finish" in doc["run"]["interrupted"]
     time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=60)
+    proc.communicate(timeout=300)
     doc = json.loads(report.read_text())
     assert doc["run"]["status"] == "interrupted"    # not "finished": see tests_meta/test_report_survives.py
     assert "interrupted" in doc["run"]["interrupted"]

@@ -82,7 +82,7 @@ def test_a_worker_killed_by_sigkill_is_named_as_crashed(suite):
     assert any(n.startswith("crashed: worker gw") for n in c1["notes"])
     assert _gate(doc, "C0")["status"] == "pass"
     assert "**The run is incomplete:" in md
-    assert "| C1 | Proxy model | [ ] fail (1/2, 1 crashed) |" in md
+    assert "| C1 | [Proxy model](docs/porting-guide.md#c1) | [ ] fail (1/2, 1 crashed) |" in md
     assert "- C1 [all models] **CRASHED** `tests_c0_inventory/test_crash.py::test_c1_boom`: worker gw" in md
 
 
@@ -230,7 +230,7 @@ def test_c_out_of_memory_is_an_error_not_a_check_failure(suite, xdist):
     assert _gate(doc, "C2")["reason"].startswith("1 of 1 checks failed")
     assert doc["run"]["status"] == "finished" and doc["run"]["complete"] is True
     assert len(doc["run"]["out_of_memory"]) == 4
-    assert "| C1 | Proxy model | [ ] fail (0/4, 4 out of memory) |" in md
+    assert "| C1 | [Proxy model](docs/porting-guide.md#c1) | [ ] fail (0/4, 4 out of memory) |" in md
     assert md.count("**ERROR: OUT OF MEMORY**") == 4
     assert "C1 [llama] note: out of memory: RuntimeError: CUDA out of memory" in res.stdout.str()
 
