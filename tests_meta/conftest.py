@@ -4,6 +4,12 @@ first imported inside one is imported again later - and a module that registers 
 namespace (torch._inductor.test_operators, reached by transformers' model classes) cannot
 register twice: the later import fails with "Could not import module 'Qwen3ForCausalLM'"."""
 import importlib
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 for _name in ("torch._inductor.test_operators", "transformers.models.llama.modeling_llama",
               "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe",
@@ -12,3 +18,18 @@ for _name in ("torch._inductor.test_operators", "transformers.models.llama.model
         importlib.import_module(_name)
     except ImportError:     # an older transformers without the model: its tests say so themselves
         pass
+
+
+@pytest.fixture
+def write_suite(pytester, monkeypatch):
+    """A pytester run of this repo's plugin: the repo on PYTHONPATH, and `write_suite(files)`
+    lays {relative path: text} into the pytester directory and returns the pytester."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def write(files: dict[str, str]):
+        for path, text in files.items():
+            p = pytester.path / path
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+        return pytester
+    return write

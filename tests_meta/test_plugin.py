@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parents[1]
 
 GATE_SUITE = {
     "tests_c0_inventory/test_a.py": """
@@ -33,17 +30,10 @@ def test_c3_skips(): pytest.skip("no CUDA")
 
 
 @pytest.fixture
-def suite(pytester, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
+def suite(write_suite):
     def make(fail: bool = True, extra: dict | None = None):
         files = {k: v.replace("{fail}", "False" if fail else "True") for k, v in GATE_SUITE.items()}
-        files.update(extra or {})
-        for path, text in files.items():
-            p = pytester.path / path
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text)
-        return pytester
+        return write_suite({**files, **(extra or {})})
     return make
 
 

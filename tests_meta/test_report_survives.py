@@ -4,7 +4,6 @@ what finished, what did not and why, when (a) an xdist worker is killed with SIG
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,21 +14,12 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parents[1]
 ARGS = ("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider")
 
 
 @pytest.fixture
-def suite(pytester, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-    def make(files: dict[str, str]):
-        for path, text in files.items():
-            p = pytester.path / path
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text)
-        return pytester
-    return make
+def suite(write_suite):
+    return write_suite
 
 
 def _report(pt) -> tuple[dict, str]:
