@@ -26,6 +26,7 @@ def impl(pytestconfig):
     (NotImplementedError where it has no engine: engine checks then skip with that reason).
     Optional capabilities (fixtures.core.contract): HasKernelMode, ProvidesKernels,
     ChecksEngineKernels; a check that needs one the implementation lacks is n/a, naming it.
+    ConfiguresProcess: the plugin set its variables in this process before this fixture ran.
     """
     from fixtures.plugin.state import STATE
     return pytestconfig.stash[STATE]["impl"]
@@ -45,9 +46,13 @@ def model_name(request):
 def proxy(model_name, pytestconfig, tmp_path_factory, impl):
     """The proxy model of `model_name` at --proxy size: a ProxySpec whose `path` is a directory
     with config.json + model.safetensors (seeded random weights, token ids only), built once per
-    session. Engines and trainers load it from `path`."""
+    session; with --proxy checkpoint the --model directory itself. Engines and trainers load it
+    from `path`."""
+    from fixtures.models.checkpoint import checkpoint_spec
     from fixtures.models.proxies import build_engine_dummy, build_proxy
     from fixtures.plugin.state import model_id
+    if pytestconfig.getoption("--proxy") == "checkpoint":     # the user's own weights, as they are
+        return checkpoint_spec(model_name)
     dummy = pytestconfig.getoption("--proxy-weights") == "engine-dummy"
     _check_proxy_fits(model_name, pytestconfig.getoption("--proxy"), impl, copies=1 if dummy else 2)
     out = tmp_path_factory.mktemp(f"proxy-{model_id(model_name)}")

@@ -51,6 +51,9 @@ def test_experts_exceed_top_k(proxy):
 
 def test_widths_fit_the_lane(proxy, real_config, impl):
     """Narrow widths only on the CPU lane: narrow GEMMs miss the variant kernel paths real widths hit."""
+    if proxy.size == "checkpoint":
+        assert proxy.path == proxy.path.resolve() and proxy.config.to_dict() == real_config.to_dict()
+        return
     if proxy.size == "tiny":
         if str(impl.device()).startswith("cuda"):
             pytest.fail("a tiny (narrow) proxy on the GPU lane cannot give a GPU verdict: use --proxy shallow or full")
@@ -86,8 +89,31 @@ def test_op_kinds_equal_real_model(trainer, proxy, real_config):
 
 
 def test_build_is_reproducible(proxy, model_name, tmp_path, impl):
+    if proxy.size == "checkpoint":
+        not_applicable("--proxy checkpoint: no proxy is built, the checkpoint's own weights are tested")
     if proxy.weights_sha256 == ENGINE_DUMMY:
         not_applicable("an engine-dummy proxy (--proxy-weights engine-dummy) writes no weight files")
     again = build_proxy(model_name, proxy.size, tmp_path / "again", seed=proxy.seed, dtype=impl.dtype())
     assert again.weights_sha256 == proxy.weights_sha256, "same seed gave different weight bytes"
     assert (again.path / "config.json").read_bytes() == (proxy.path / "config.json").read_bytes()
+
+
+def test_checkpoint_weights_reach_the_trainer(trainer, proxy):
+    """--proxy checkpoint: the trainer holds the checkpoint's own tensors (a trainer that ignored the
+    files and initialised its own would pass every parity gate on weights nobody trains)."""
+    if proxy.size != "checkpoint":
+        not_applicable("a proxy run: the proxy's build is checked by test_build_is_reproducible")
+    from safetensors import safe_open
+    exported = trainer.export_weights()
+    matched, differ = 0, []
+    for f in sorted(proxy.path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if name in exported:
+                    matched += 1
+                    mine = exported[name].detach().cpu()
+                    if not torch.equal(st.get_tensor(name).to(mine.dtype), mine):
+                        differ.append(name)
+    assert matched, f"none of the trainer's exported tensors is named as in {proxy.path}'s safetensors files"
+    assert not differ, (f"{len(differ)} of {matched} tensors the trainer holds differ from {proxy.path}'s "
+                        f"checkpoint, first {differ[0]}: the trainer did not load the checkpoint")

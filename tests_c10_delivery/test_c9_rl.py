@@ -2,7 +2,12 @@
 exactly 0) -> policy-gradient loss on a simple verifiable reward -> optimizer step -> weights
 pushed to the engine through its public update path -> engine weights equal the trainer's
 (per-tensor hash under canonical checkpoint names) -> second rollout -> KL exactly 0 again;
-parameters did change. Skipping the weight push must be detected."""
+parameters did change. Skipping the weight push must be detected.
+
+Each rollout is the lane's parity rollout (fixtures.checks.workloads.parity_workload: hundreds of
+sequences on a GPU, engine steps and trainer micro-batches past 256 and 1024 tokens), the trainer
+packing it into micro-batches of --trainer-micro-batch-tokens for both its logprobs and its
+optimizer steps (one per micro-batch, as PPO mini-batches; one on the CPU lane's toy rollout)."""
 from __future__ import annotations
 
 import pytest
@@ -11,8 +16,9 @@ import torch
 from fixtures.core.comparison import BitwiseMismatch
 from fixtures.core.contract import TrainsRL
 from fixtures.core.outcomes import not_applicable, not_available
-from fixtures.checks.rollouts import assert_parity, collect
-from fixtures.checks.workloads import rollout_requests
+from fixtures.checks.rollouts import assert_parity, sample_rollouts
+from fixtures.checks.workloads import pack_micro_batches, parity_workload
+from fixtures.plugin.options import trainer_micro_batch_tokens
 
 pytestmark = pytest.mark.C9
 
@@ -22,14 +28,25 @@ def reward(tokens: list[int]) -> float:
     return sum(t % 2 == 0 for t in tokens) / max(len(tokens), 1)
 
 
-def rl_step(engine, trainer, vocab: int, seed: int, record=None, label=""):
-    rs = collect(engine.generate(rollout_requests(vocab, 4, seed=seed, n=2)))
-    metrics = assert_parity(engine, trainer, rs, record=record, label=label)
+@pytest.fixture
+def parity(impl, pytestconfig):
+    """(workload, micro-batch tokens) of this lane: --trainer-micro-batch-tokens, else the lane's."""
+    workload = parity_workload(impl.device())
+    return workload, trainer_micro_batch_tokens(pytestconfig) or workload.micro_batch_tokens
+
+
+def rl_step(engine, trainer, vocab: int, seed: int, parity, record=None, label=""):
+    workload, mbt = parity
+    rs = sample_rollouts(engine, workload.requests(vocab, seed=seed))
+    metrics = assert_parity(engine, trainer, rs, record=record, label=label, micro_batch_tokens=mbt)
     rewards = torch.tensor([reward(r.token_ids) for r in rs], dtype=torch.float64)
     adv = (rewards - rewards.mean()).tolist()
     if not any(adv):
         adv = [1.0 if i % 2 else -1.0 for i in range(len(rs))]   # keep the step non-trivial
-    info = trainer.train_step([r.sequence for r in rs], prompt_lens=[len(r.prompt_ids) for r in rs], advantages=adv)
+    info = {}
+    for mb in pack_micro_batches([len(r.sequence) for r in rs], mbt):
+        info = trainer.train_step([rs[k].sequence for k in mb], prompt_lens=[len(rs[k].prompt_ids) for k in mb],
+                                  advantages=[adv[k] for k in mb])
     return metrics, info
 
 
@@ -63,12 +80,12 @@ def fresh_pair(impl, proxy):
     trainer.close()
 
 
-def test_two_rl_steps_stay_exactly_on_policy(fresh_pair, proxy, record_metric):
+def test_two_rl_steps_stay_exactly_on_policy(fresh_pair, proxy, parity, record_metric):
     engine, trainer = fresh_pair
     vocab = proxy.config.vocab_size
     before = trainer.weight_hashes()
     assert mismatched_hashes(engine.weight_hashes(), before) == [], "engine and trainer start from different weights"
-    rl_step(engine, trainer, vocab, seed=10, record=record_metric, label="step1_")
+    rl_step(engine, trainer, vocab, seed=10, parity=parity, record=record_metric, label="step1_")
     after = trainer.weight_hashes()
     changed = mismatched_hashes(before, after)
     assert changed, "the optimizer step changed no parameter"
@@ -76,26 +93,27 @@ def test_two_rl_steps_stay_exactly_on_policy(fresh_pair, proxy, record_metric):
     bad = mismatched_hashes(engine.weight_hashes(), after)
     assert not bad, f"after the weight push {len(bad)} tensors differ between engine and trainer: {bad[:5]}"
     record_metric("tensors_changed", len(changed))
-    rl_step(engine, trainer, vocab, seed=11, record=record_metric, label="step2_")
+    rl_step(engine, trainer, vocab, seed=11, parity=parity, record=record_metric, label="step2_")
 
 
-def test_skipped_push_is_detected(fresh_pair, proxy):
+def test_skipped_push_is_detected(fresh_pair, proxy, parity):
     """Negative control: without the weight push the engine is off-policy; hashes and the second
     rollout's parity must both say so."""
     engine, trainer = fresh_pair
-    rl_step(engine, trainer, proxy.config.vocab_size, seed=10)
+    rl_step(engine, trainer, proxy.config.vocab_size, seed=10, parity=parity)
     assert mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()), \
         "skipped push not detected by the per-tensor hashes"
-    rs = collect(engine.generate(rollout_requests(proxy.config.vocab_size, 4, seed=11, n=2)))
+    workload, mbt = parity
+    rs = sample_rollouts(engine, workload.requests(proxy.config.vocab_size, seed=11))
     with pytest.raises((BitwiseMismatch, AssertionError)):
-        assert_parity(engine, trainer, rs)
+        assert_parity(engine, trainer, rs, micro_batch_tokens=mbt)
 
 
-def test_push_through_another_dtype_is_detected(fresh_pair, proxy):
+def test_push_through_another_dtype_is_detected(fresh_pair, proxy, parity):
     """Negative control: weights synced through a narrower float (bf16 for fp32 weights, fp8 for
     bf16 ones): a rounding the trainer never holds."""
     engine, trainer = fresh_pair
-    rl_step(engine, trainer, proxy.config.vocab_size, seed=10)
+    rl_step(engine, trainer, proxy.config.vocab_size, seed=10, parity=parity)
     engine.load_weights({k: v.to(_lossy(v.dtype)).to(v.dtype) for k, v in trainer.export_weights().items()})
     assert mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()), \
         "a lossy round trip of the weights went unnoticed by the hashes"

@@ -10,6 +10,9 @@ split at any point vs unsplit - all over vLLM's paged KV cache with the backend'
 Widths are the model's (the proxy config's, i.e. the real model's on the GPU lane): narrow GEMMs
 miss the variant algorithms the real model hits.
 
+The fix pack (--vllm-fixes, docs/vllm-fixes.md): each fix's case without the fix must be red and
+with it green (test_vllm_fix_rows); n/a where the installed vLLM no longer needs it.
+
 Negative controls: the same checks in a VLLM_BATCH_INVARIANT=0 worker must see the stock GEMM
 vary (or say "inconclusive"), and a planted kernel whose arithmetic changes at 64 rows must be
 caught by the row check. Runs for an implementation that is ChecksEngineKernels (`--impl vllm`)
@@ -42,14 +45,24 @@ def _row_cases(impl) -> list[str]:
     return [c for c, k in impl.engine_kernel_library().cases.items() if k.rows == "tokens" and not k.planted]
 
 
+def _fixes(impl) -> list[str]:
+    """The engine kernel library's fixes that have a C2 case (vLLM's fix pack, docs/vllm-fixes.md)."""
+    lib = impl.engine_kernel_library()
+    return [n for n, f in (getattr(lib, "fixes", None) or {}).items() if f.case]
+
+
 def pytest_generate_tests(metafunc):
     """test_vllm_kernel_rows runs once per row case of the implementation's engine kernel library
-    (ChecksEngineKernels), read at collection; an implementation without one gets a single
-    `none` id, which the `library` fixture reports n/a."""
-    if metafunc.definition.originalname != "test_vllm_kernel_rows":
+    (ChecksEngineKernels), test_vllm_fix_rows once per fix with a C2 case, read at collection; an
+    implementation without one gets a single `none` id, which the `library` fixture reports n/a."""
+    name = metafunc.definition.originalname
+    if name not in ("test_vllm_kernel_rows", "test_vllm_fix_rows"):
         return
     impl = metafunc.config.stash[STATE]["impl"]
-    metafunc.parametrize("case", _row_cases(impl) if isinstance(impl, ChecksEngineKernels) else ["none"])
+    ids = ["none"]
+    if isinstance(impl, ChecksEngineKernels):
+        ids = (_row_cases(impl) if name == "test_vllm_kernel_rows" else _fixes(impl)) or ["none"]
+    metafunc.parametrize("case" if name == "test_vllm_kernel_rows" else "fix", ids)
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +120,36 @@ def test_vllm_kernel_rows(case, sizes, library, dims, reached, workers):
         not_applicable(f"{case} needs an MoE model (this model has no experts)")
     require_reached(case, reached)
     library.check_rows(workers(True), case, sizes)
+
+
+def test_vllm_fix_rows(fix, library, dims, reached, workers, record_metric):
+    """A fix of the fix pack (`--vllm-fixes`, fixtures.vllm.fixes): its C2 case in the
+    batch-invariant worker must be red without the fix and green with it, at the threshold sizes
+    (1 ... 1024 tokens). n/a, with the reason, where the installed vLLM no longer needs it: its
+    source no longer runs the variant kernel, or its stock kernel is row-invariant at these sizes."""
+    fixes = getattr(library, "fixes", None) or {}
+    if fix not in fixes:
+        not_applicable("the engine kernel library has no fix pack", capability=ChecksEngineKernels)
+    spec = fixes[fix]
+    if spec.case not in library.cases_for(dims):
+        not_applicable(f"{spec.case} needs an MoE model (this model has no experts)")
+    if not set(spec.reached) & reached:
+        not_applicable(f"the engine launched no kernel that maps to {' or '.join(spec.reached)} for this model "
+                       f"(C0 engine inventory reached: {', '.join(sorted(reached))})")
+    worker = workers(True)
+    need, why = (worker.info.get("fixes_needed") or {}).get(fix, (None, "not probed"))
+    if need is False:
+        not_applicable(f"fix {fix} not needed: {why}")
+    others = tuple(n for n in library.fixes_selected() if n != fix)
+    try:
+        library.check_rows(worker, spec.case, THRESHOLD_SIZES, fixes=others)
+    except BitwiseMismatch as exc:
+        stock = str(exc).splitlines()[0][:200]
+    else:
+        not_applicable(f"fix {fix} not needed here: vLLM's {spec.case} without it gave every row the bits it has "
+                       f"alone at {THRESHOLD_SIZES} tokens ({why})")
+    library.check_rows(worker, spec.case, THRESHOLD_SIZES, fixes=others + (fix,))
+    record_metric(f"fix {fix}: without it", stock)
 
 
 @_LIVE

@@ -1,77 +1,129 @@
 """Gate C4 - Prefill/decode invariance: every decode logprob equals the prompt logprob at that
 position from one prefill of prompt + generated ids (ids, never re-tokenised text); chunked
 prefill at several split points equals unchunked; a prefix-cache hit equals a cold start; decode
-resumed after preemption equals uninterrupted decode. Each mechanism must be seen to engage."""
+resumed after preemption equals uninterrupted decode. Each mechanism must be seen to engage.
+
+Every run starts from a stated engine state - cold (the prefix cache reset first), or for the
+prefix-cache hit deliberately warm - and a failure prints, for both sides, the cached prompt
+tokens and the tokens of each step the compared request was in. One engine serves every check
+that needs no other settings; each other configuration (a chunking budget, a small KV cache) is
+one engine, reused for all of its examples."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, note, strategies as st
 
 from fixtures.core.comparison import assert_bitwise
-from fixtures.core.contract import EngineSettings, Request, SamplingParams
+from fixtures.core.contract import EngineSettings, Request, ResetsPrefixCache, SamplingParams
 from fixtures.core.outcomes import must_fire, not_applicable
-from fixtures.checks.workloads import assert_same_completions, engine_settings, long_request, random_ids, requests
+from fixtures.diagnose.engine_rows import COLD, StatedRun, run_stated, start_from, state_context
+from fixtures.checks.workloads import (assert_same_completion, engine_settings, long_request, random_ids,
+                                       requests)
 
 pytestmark = pytest.mark.C4
 
+CHUNK_BUDGETS = (3, 7, 16, 17, 33)
+"""Token budgets of the chunked-prefill check: split points off and on KV-block boundaries (16)."""
 
-def assert_decode_equals_prefill(engine, completions, **context):
+
+def assert_decode_equals_prefill(engine, completions, decoded: dict | None = None, **context):
+    """Each sample's decode logprobs vs the prompt logprobs of one prefill of prompt + its ids,
+    the prefill from a cold cache; `decoded`: request id -> StatedRun of the decode side."""
     __tracebackhide__ = True
-    seqs, expect = [], []
+    seqs, expect, owners = [], [], []
     for c in completions:
         for s in c.samples:
             seqs.append(list(c.prompt_ids) + s.token_ids)
             expect.append(s.logprobs)
+            owners.append(c.request_id)
+    reached = start_from(engine, COLD)
     prefilled = engine.prompt_logprobs(seqs)
-    for seq, lp, want in zip(seqs, prefilled, expect):
+    traces = list((engine.last_stats().requests or {}).values())
+    traces = traces if len(traces) == len(seqs) else [None] * len(seqs)
+    for seq, lp, want, rid, trace in zip(seqs, prefilled, expect, owners, traces):
         n = len(want)
+        sides = [StatedRun("prefill", reached, trace)] + ([decoded[rid]] if decoded and rid in decoded else [])
         assert_bitwise(lp[len(seq) - 1 - n:], want, what="decode logprobs vs prompt logprobs of one prefill",
-                       lhs_name="prefill", rhs_name="decode", prompt_tokens=len(seq) - n, **context)
+                       lhs_name="prefill", rhs_name="decode", prompt_tokens=len(seq) - n, **state_context(*sides),
+                       **context)
 
 
 @engine_settings()
 @given(data=st.data())
 def test_decode_equals_prefill(engine, proxy, data):
     batch = data.draw(requests(proxy.config.vocab_size, data.draw(st.sampled_from([1, 2, 7]), label="n")))
-    assert_decode_equals_prefill(engine, engine.generate(batch))
+    completions, run = run_stated(engine, batch, batch[0].request_id, label="decode")
+    traces = dict(engine.last_stats().requests or {})
+    decoded = {r.request_id: StatedRun("decode", run.state, traces.get(r.request_id)) for r in batch}
+    assert_decode_equals_prefill(engine, completions, decoded)
 
 
-@engine_settings(divisor=4, floor=2)
-@given(budget=st.sampled_from([3, 7, 16, 17, 33]), extra=st.integers(1, 60), seed=st.integers(0, 99))
-def test_chunked_prefill_equals_unchunked(engine_factory, proxy, budget, extra, seed):
-    """Split points move with the budget: off and on KV-block boundaries (16), prompts past it."""
+@pytest.mark.parametrize("budget", CHUNK_BUDGETS)
+@engine_settings(divisor=16, floor=1)
+@given(extra=st.integers(1, 60), seed=st.integers(0, 99))
+def test_chunked_prefill_equals_unchunked(engine_factory, engine, proxy, budget, extra, seed):
+    """One engine per budget, reused for its examples; the unchunked side is the session engine,
+    seen to compute the prompt in one step (its budget is far above these prompts)."""
     length = budget + extra
-    with engine_factory(EngineSettings(enable_chunked_prefill=False, max_num_batched_tokens=1024)) as whole:
-        reference = whole.generate([long_request(proxy.config.vocab_size, length, seed)])
+    request = long_request(proxy.config.vocab_size, length, seed)
+    reference, whole = run_stated(engine, [request], request.request_id, label="unchunked")
+    whole_stats = engine.last_stats()
+    assert whole_stats.chunked_prompts == 0 and whole_stats.max_prefill_chunk == length, \
+        f"the unchunked side did not compute the {length}-token prompt in one step: {whole_stats}"
     with engine_factory(EngineSettings(enable_chunked_prefill=True, max_num_batched_tokens=budget)) as chunked:
         if not chunked.capabilities().chunked_prefill:
             not_applicable("no chunked prefill", feature="chunked_prefill")
-        split = chunked.generate([long_request(proxy.config.vocab_size, length, seed)])
+        split, parts = run_stated(chunked, [request], request.request_id, label=f"chunked (budget {budget})")
         stats = chunked.last_stats()
     note(f"prompt {length} tokens, budget {budget}: {stats}")
     assert length > budget and stats.chunked_prompts > 0, \
         f"the prompt ({length} tokens) was never split under a budget of {budget}: {stats}"
+    context = state_context(parts, whole)
     assert_bitwise(split[0].prompt_logprobs, reference[0].prompt_logprobs, what="prompt logprobs",
-                   lhs_name=f"chunked (budget {budget})", rhs_name="unchunked")
-    assert_same_completions(split, reference, lhs=f"chunked (budget {budget})", rhs="unchunked")
+                   lhs_name=parts.label, rhs_name=whole.label, **context)
+    assert_same_completion(split[0], reference[0], lhs=parts.label, rhs=whole.label, **context)
 
 
-def test_prefix_cache_hit_equals_cold_start(engine_factory, proxy):
-    vocab = proxy.config.vocab_size
-    shared = list(random_ids(vocab, 70, seed=11))
-    first = Request("warm", tuple(shared + [1, 2, 3]), SamplingParams(max_tokens=3))
-    probe = Request("probe", tuple(shared + [4, 5]), SamplingParams(max_tokens=6, temperature=1.0, seed=5))
-    with engine_factory(EngineSettings(enable_prefix_caching=False)) as cold_engine:
-        cold = cold_engine.generate([probe])
-        assert cold[0].num_cached_tokens == 0
-    with engine_factory(EngineSettings(enable_prefix_caching=True)) as cached:
-        if not cached.capabilities().prefix_cache:
-            not_applicable("no prefix cache", feature="prefix_cache")
-        cached.generate([first])
-        hit = cached.generate([probe])
-    assert hit[0].num_cached_tokens > 0, "declared prefix cache never read: the probe had 0 cached tokens"
-    assert_same_completions(hit, cold, lhs=f"prefix-cache hit ({hit[0].num_cached_tokens} cached tokens)",
-                            rhs="cold start")
+def prefix_probes(vocab: int) -> tuple[list[Request], list[Request]]:
+    """(warm-up requests, probes): each probe shares a prefix of 16 (one block), 33 or 70 tokens
+    with its warm-up request and then goes its own way; seeded sampling."""
+    warm, probes = [], []
+    for i, n in enumerate((16, 33, 70)):
+        shared = list(random_ids(vocab, n, seed=11 + i))
+        warm.append(Request(f"warm{i}", tuple(shared + [1, 2, 3]), SamplingParams(max_tokens=3)))
+        probes.append(Request(f"probe{i}", tuple(shared + [4, 5]), SamplingParams(max_tokens=6, temperature=1.0,
+                                                                                 seed=5 + i)))
+    return warm, probes
+
+
+def test_prefix_cache_hit_equals_cold_start(engine_factory, engine, proxy):
+    """The probes run twice on one engine - cold, then deliberately warm after their warm-up
+    requests computed the shared prefixes - as the same batch both times; each probe must have
+    read cached tokens when warm and none when cold. An engine that cannot reset its prefix cache
+    gets its cold side from an engine with the prefix cache off."""
+    if not engine.capabilities().prefix_cache:
+        not_applicable("no prefix cache", feature="prefix_cache")
+    warm, probes = prefix_probes(proxy.config.vocab_size)
+    if isinstance(engine, ResetsPrefixCache):
+        cold, run = run_stated(engine, probes, probes[0].request_id, label="cold start")
+        cold_traces = dict(engine.last_stats().requests or {})
+        cold_state = run.state
+    else:
+        with engine_factory(EngineSettings(enable_prefix_caching=False)) as uncached:
+            cold = uncached.generate(probes)
+            cold_traces = dict(uncached.last_stats().requests or {})
+        cold_state = "cold (an engine with the prefix cache off)"
+    run_stated(engine, warm, warm[0].request_id, label="warm-up")
+    warm_state = "warm (deliberately: after the warm-up requests computed the shared prefixes)"
+    hit, _ = run_stated(engine, probes, probes[0].request_id, label="hit", state=warm_state)
+    hit_traces = dict(engine.last_stats().requests or {})
+    for r, h, c in zip(probes, hit, cold):
+        sides = (StatedRun(f"prefix-cache hit ({h.num_cached_tokens} cached tokens)", warm_state,
+                           hit_traces.get(r.request_id)),
+                 StatedRun("cold start", cold_state, cold_traces.get(r.request_id)))
+        assert c.num_cached_tokens == 0, f"{r.request_id}: the cold side read {c.num_cached_tokens} cached tokens"
+        assert h.num_cached_tokens > 0, f"declared prefix cache never read: {r.request_id} had 0 cached tokens"
+        assert_same_completion(h, c, lhs=sides[0].label, rhs=sides[1].label, **state_context(*sides))
 
 
 def test_preemption_resume_equals_uninterrupted(engine_factory, engine, proxy):
@@ -81,13 +133,16 @@ def test_preemption_resume_equals_uninterrupted(engine_factory, engine, proxy):
     # even under a scheduler that admits a request only when its whole prompt fits (vLLM).
     batch = [long_request(proxy.config.vocab_size, 30 + 7 * i, seed=i, max_tokens=48) for i in range(6)]
     batch = [Request(r.request_id, r.prompt_ids, r.params) for r in batch]
-    uninterrupted = engine.generate(batch)
+    uninterrupted, base = run_stated(engine, batch, batch[0].request_id, label="uninterrupted")
+    whole = dict(engine.last_stats().requests or {})
     with engine_factory(EngineSettings(kv_cache_blocks=12)) as small:
-        squeezed = small.generate(batch)
+        squeezed, run = run_stated(small, batch, batch[0].request_id, label="squeezed")
         stats = small.last_stats()
     assert stats.preemptions > 0, f"no preemption happened with a 12-block KV cache: {stats}"
-    assert_same_completions(squeezed, uninterrupted, lhs=f"with {stats.preemptions} preemptions",
-                            rhs="uninterrupted")
+    for r, x, y in zip(batch, squeezed, uninterrupted):
+        sides = (StatedRun(f"with {stats.preemptions} preemptions", run.state, (stats.requests or {}).get(r.request_id)),
+                 StatedRun("uninterrupted", base.state, whole.get(r.request_id)))
+        assert_same_completion(x, y, lhs=sides[0].label, rhs=sides[1].label, **state_context(*sides))
 
 
 def test_control_stock_decode_differs_from_prefill(engine_factory, proxy):

@@ -2,7 +2,12 @@
 prompt, different lengths), the trainer's logprobs of the sampled tokens equal the engine's
 sampled-token logprobs and the engine's prompt logprobs of the full sequence; k1, k3, max abs
 diff and mismatch fraction are all exactly 0. Trainer and engine use the same TP degree, and a
-trainer that can compute at another one must be seen to differ there."""
+trainer that can compute at another one must be seen to differ there.
+
+The rollout is sized by lane (fixtures.checks.workloads.parity_workload): on a GPU a rollout
+batch of hundreds of sequences, so engine steps and trainer micro-batches pass 256 and 1024
+tokens (a kernel that switches there is invisible at a toy batch); the trainer packs the
+sequences into micro-batches of --trainer-micro-batch-tokens. The controls keep the toy batch."""
 from __future__ import annotations
 
 import pytest
@@ -13,15 +18,36 @@ from fixtures.core.contract import (ComputesAtTensorParallel, HasTensorParallel,
 from fixtures.core.outcomes import must_fire, not_applicable, not_available
 from fixtures.diagnose.module_outputs import compare_module_outputs
 from fixtures.checks.controls import stock_trainer
-from fixtures.checks.rollouts import assert_parity, collect
-from fixtures.checks.workloads import random_ids, rollout_requests
+from fixtures.checks.rollouts import assert_parity, sample_rollouts
+from fixtures.checks.workloads import PARITY_CPU, parity_workload, random_ids, rollout_requests
+from fixtures.plugin.options import trainer_micro_batch_tokens
 
 pytestmark = pytest.mark.C7
 
 
 @pytest.fixture(scope="module")
-def rollouts(engine, proxy):
-    return collect(engine.generate(rollout_requests(proxy.config.vocab_size, 4, seed=1, n=2)))
+def workload(impl):
+    return parity_workload(impl.device())
+
+
+@pytest.fixture(scope="module")
+def micro_batch_tokens(pytestconfig, workload) -> int:
+    """The trainer's micro-batch bound: --trainer-micro-batch-tokens, else the lane's default."""
+    return trainer_micro_batch_tokens(pytestconfig) or workload.micro_batch_tokens
+
+
+@pytest.fixture(scope="module")
+def rollouts(engine, proxy, workload):
+    """The lane's parity rollout (hundreds of sequences on a GPU), with the engine's step sizes."""
+    return sample_rollouts(engine, workload.requests(proxy.config.vocab_size, seed=1))
+
+
+@pytest.fixture(scope="module")
+def toy_rollouts(request, engine, proxy, workload):
+    """4 prompts x 2 samples: enough for a control, which only has to show a difference."""
+    if workload == PARITY_CPU:
+        return request.getfixturevalue("rollouts")
+    return sample_rollouts(engine, PARITY_CPU.requests(proxy.config.vocab_size, seed=1))
 
 
 def _tp(obj) -> int:
@@ -36,7 +62,7 @@ def test_same_tensor_parallel_degree(engine, trainer):
     assert e == t, f"engine TP={e} vs trainer TP={t}: parity needs the same tensor-parallel degree"
 
 
-def test_control_other_tensor_parallel_degree_breaks_parity(engine, trainer, rollouts):
+def test_control_other_tensor_parallel_degree_breaks_parity(engine, trainer, toy_rollouts):
     """Negative control for the TP claim, both ways: the same trainer computing as vLLM at another
     TP degree (TP=2 against a TP=1 engine, TP=1 against a TP>1 one) must report a difference -
     else the trainer's TP arithmetic is not what decides parity."""
@@ -50,7 +76,7 @@ def test_control_other_tensor_parallel_degree_breaks_parity(engine, trainer, rol
                        tried=f"trainer at TP={other} vs engine at TP={e}", catch=(BitwiseMismatch, AssertionError),
                        on_this_hardware=False):
             with trainer.at_tensor_parallel(other):
-                assert_parity(engine, trainer, rollouts)
+                assert_parity(engine, trainer, toy_rollouts)
     except NotImplementedError as exc:
         not_available(exc, f"the trainer at TP={other}", capability=ComputesAtTensorParallel)
 
@@ -68,18 +94,20 @@ def test_trainer_reads_logprobs_as_the_engine_samples(engine, trainer):
 
 
 @pytest.mark.parametrize("layout", list(Layout), ids=lambda l: l.value)
-def test_trainer_equals_engine(engine, trainer, rollouts, layout, record_metric):
+def test_trainer_equals_engine(engine, trainer, rollouts, layout, micro_batch_tokens, record_metric):
+    """The lane's rollout, the trainer in micro-batches of <= micro_batch_tokens tokens; the
+    message and the metrics say how many tokens, and which step and micro-batch sizes, were compared."""
     if layout not in supported_layouts(trainer):
         not_applicable(f"the trainer has no {layout.value} layout for this architecture", feature=f"layout {layout.value}")
     assert len({len(r.token_ids) for r in rollouts}) > 1, "rollouts must finish at different lengths"
-    assert_parity(engine, trainer, rollouts, layout=layout, record=record_metric)
+    assert_parity(engine, trainer, rollouts, layout=layout, record=record_metric, micro_batch_tokens=micro_batch_tokens)
 
 
-def test_greedy_and_low_temperature_rollouts(engine, trainer, proxy, record_metric):
+def test_greedy_and_low_temperature_rollouts(engine, trainer, proxy, micro_batch_tokens, record_metric):
     for temperature in (0.0, 0.6):
-        rs = collect(engine.generate(rollout_requests(proxy.config.vocab_size, 3, seed=2, n=1,
-                                                      temperature=temperature)))
-        assert_parity(engine, trainer, rs, record=record_metric if temperature else None)
+        rs = sample_rollouts(engine, rollout_requests(proxy.config.vocab_size, 3, seed=2, n=1, temperature=temperature))
+        assert_parity(engine, trainer, rs, record=record_metric if temperature else None,
+                      micro_batch_tokens=micro_batch_tokens)
 
 
 def _module_probe(proxy) -> list[int]:
@@ -131,10 +159,10 @@ def test_control_planted_ulp_is_named(trainer, proxy):
     assert "1 of" in result.detail and "1 ULP apart" in result.detail, result.detail
 
 
-def test_control_stock_trainer_breaks_parity(engine, proxy, rollouts):
+def test_control_stock_trainer_breaks_parity(engine, proxy, toy_rollouts):
     """Negative control: the same parity check with a trainer on stock kernels and eager
     attention must report a difference."""
     stock = stock_trainer(proxy.path)
     with must_fire("a stock trainer matched the invariant engine bit for bit", catch=(BitwiseMismatch, AssertionError),
                    tried="the C7 rollouts through a stock trainer (eager attention)"):
-        assert_parity(engine, stock, rollouts)
+        assert_parity(engine, stock, toy_rollouts)

@@ -214,15 +214,23 @@ def test_required_fields_only_where_the_family_uses_them(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. a checkpoint beside config.json: never used (the header says so), refused when corrupt
+# 4. a checkpoint in the model dir: tested as it is by default (--proxy checkpoint), unused with a
+#    proxy size (the header says which), refused when corrupt
 # ---------------------------------------------------------------------------------------------
 def test_checkpoint_in_the_model_dir(project, tmp_path):
     blob = _safetensors(tmp_path)
     good = model_dir(tmp_path / "good", model__safetensors=blob)
     res = project.runpytest_inprocess(f"--model={good}", "--co")
     assert res.ret == 0, res.stdout.str() + res.stderr.str()
+    assert (f"conformance model good: {good}: the checkpoint itself (1 safetensors file); no proxy built - "
+            "engine and trainer load its weights") in res.stdout.str()
+    res = project.runpytest_inprocess(f"--model={good}", "--proxy", "tiny", "--co")
     assert (f"conformance model good: {good / 'config.json'} only; its model.safetensors is not used; "
             "weights: seeded proxy (seed 0)") in res.stdout.str()
+    one_line(project.runpytest_inprocess("--model=llama", "--proxy", "checkpoint", "--co"),
+             "--proxy checkpoint loads each --model directory's own weights: llama is a built-in recipe")
+    one_line(project.runpytest_inprocess(f"--model={good}", "--proxy", "checkpoint", "--proxy-weights",
+                                         "engine-dummy", "--co"), "--proxy checkpoint and --proxy-weights engine-dummy")
     rep = tmp_path / "rep"
     for name, files, needle in (
             ("truncated", {"model__safetensors": blob[:-16]}, "model.safetensors is corrupt or truncated"),

@@ -115,7 +115,8 @@ def test_vllm_implementation_capabilities():
     assert C.capabilities_of(ref, C.IMPLEMENTATION_CAPABILITIES) == ["HasKernelMode", "ProvidesKernels",
                                                                      "ChecksEngineKernels"]
     ek = VLLMImplementation(fake="echo", max_idle=0, trainer="engine-kernels")
-    assert C.capabilities_of(ek, C.IMPLEMENTATION_CAPABILITIES) == ["ProvidesKernels", "ChecksEngineKernels"]
+    assert C.capabilities_of(ek, C.IMPLEMENTATION_CAPABILITIES) == ["ProvidesKernels", "ChecksEngineKernels",
+                                                                    "ConfiguresProcess"]
     lib = ref.engine_kernel_library()
     assert lib.rule_cases() <= set(lib.cases)
     dense = lib.dims({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100})

@@ -114,7 +114,7 @@ def _run_chain_here(tmp_path, fault, upto: str, *, model: str | None = None) -> 
             settings.load_profile(saved_profile)
     assert ret in (0, 1) and (report / "report.json").is_file(), f"inner run did not complete (exit {ret})"
     doc = json.loads((report / "report.json").read_text())
-    verdicts = {g: doc["gates"][g]["models"][model] for g in GATE_ORDER}
+    verdicts = {g: doc["gates"][g]["models"][model] for g in doc["gates"]}   # the requested gates
     texts: dict[str, list[str]] = {}
     for rep in rec.reports:
         if rep.failed:
@@ -158,7 +158,7 @@ def test_chain_goes_red_at_the_faults_gate(name, tmp_path, pytestconfig):
             f"{g} went red with {fault.name} planted, before its gate {fault.gate} (caught too early; "
             f"green without the fault):\n{ctx}\n" + "\n".join(texts.get(g, []))[:4000])
         assert counts.get("passed"), f"{g} ran checks but none passed with {fault.name} planted:\n{ctx}"
-    mine = verdicts[fault.gate]
+    mine = verdicts.get(fault.gate, {"counts": {}})   # a quick matrix stops before the gate: not requested
     if upto != fault.gate or not mine["counts"]:
         why = "was not run (quick matrix)" if upto != fault.gate else "has no checks yet"
         warnings.warn(MatrixPending(

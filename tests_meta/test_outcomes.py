@@ -157,8 +157,8 @@ def test_outcomes_reach_the_verdicts(suite, xdist):
         pytest.importorskip("xdist")
     pt = suite(fail=True)
     # xdist: one file on one worker (--dist loadfile), so C2 runs after C1 failed; the properties
-    # still travel from the worker to the controller
-    res = _run(pt, "--upto", "C2", "-rs", *(["-n", "2", "--dist", "loadfile"] if xdist else []))
+    # still travel from the worker to the controller (--maxfail: a failed gate's later checks skip as blocked)
+    res = _run(pt, "--upto", "C2", "--maxfail=10", "-rs", *(["-n", "2", "--dist", "loadfile"] if xdist else []))
     res.assert_outcomes(passed=2, failed=1, skipped=5)
     out = res.stdout.str()
     doc = json.loads((pt.path / "rep" / "report.json").read_text())
@@ -174,7 +174,7 @@ def test_outcomes_reach_the_verdicts(suite, xdist):
     c0 = doc["gates"]["C0"]["models"]["llama"]
     assert c0["status"] == "pass" and len(c0["notes"]) == 3
     c2 = doc["gates"]["C2"]["models"]["llama"]
-    assert c2["status"] == "blocked" and c2["label"] == "blocked by C1" and c2["blocked_by"] == "C1"
+    assert c2["status"] == "blocked" and c2["label"] == "blocked by C1 (own checks skipped)" and c2["blocked_by"] == "C1"
     assert "C0 n/a (declared) (1 check; llama): no prefix cache - test_uses_cache" in out
     assert "C0 inconclusive on this hardware (1 check; llama): stock kernels gave the same bits - test_control_silent" in out
     assert re.search(r"SKIPPED \[1\] tests_c0_inventory/test_a.py:\d+: n/a \(declared\): no prefix cache", out)  # -rs

@@ -1,8 +1,9 @@
-"""Verdict rules: pass / fail / blocked by Ck / missing / not run, per model; a skip's kind (n/a,
-inconclusive, blocked) is data (fixtures.core.outcomes), never read from its reason text."""
+"""Verdict rules: pass / pass with known failures / fail / blocked by Ck (own checks ...) / missing /
+not run / incomplete, per model; a chain under --upto, each gate its own verdict under -m; a skip's
+kind (n/a, inconclusive, blocked) is data (fixtures.core.outcomes), never read from its reason text."""
 from __future__ import annotations
 
-from fixtures.core.verdicts import ALL_MODELS, CheckResult, all_passed, gate_verdicts, overall
+from fixtures.core.verdicts import ALL_MODELS, KNOWN_FAILURE, CheckResult, all_passed, gate_verdicts, overall
 
 
 def r(gate, outcome, model="m", reason="", nodeid=None, kind="", **props):
@@ -24,7 +25,8 @@ def test_missing_is_never_a_pass_and_blocks_later_results():
     out = v([r("C0", "passed"), r("C2", "passed")])["m"]
     assert out["C1"].status == "missing"
     assert out["C2"].status == "blocked" and out["C2"].reason.startswith("blocked by C1")
-    assert "1 of 1 checks passed anyway" in out["C2"].reason
+    assert out["C2"].label() == "blocked by C1 (own checks 1/1 pass)"
+    assert out["C3"].status == "missing"      # no check of its own: missing, not blocked
 
 
 def test_fail_blocks_later_gates():
@@ -33,8 +35,8 @@ def test_fail_blocks_later_gates():
            r("C3", "skipped", reason="blocked by C1: x", kind="blocked", blocked_by="C1")]
     out = v(res)["m"]
     assert out["C1"].status == "fail" and len(out["C1"].failed) == 1
-    assert out["C2"].status == "blocked" and out["C2"].label() == "blocked by C1"
-    assert out["C3"].label() == "blocked by C1"
+    assert out["C2"].status == "blocked" and out["C2"].label() == "blocked by C1 (own checks skipped)"
+    assert out["C3"].label() == "blocked by C1 (own checks skipped)"
 
 
 def test_not_run_when_everything_skipped_with_reason():
@@ -64,9 +66,10 @@ def test_blocked_label_comes_from_the_blocked_by_property():
     the label names the gate from the property, whatever the reason text says."""
     out = v([r("C0", "passed"), r("C1", "skipped", reason="held back", kind="blocked", blocked_by="C0"),
              r("C2", "skipped", reason="blocked by C7: typed by hand")])["m"]
-    assert out["C1"].status == "blocked" and out["C1"].label() == "blocked by C0" and out["C1"].reason == "held back"
+    assert out["C1"].status == "blocked" and out["C1"].label() == "blocked by C0 (own checks skipped)"
+    assert out["C1"].reason == "held back"
     assert out["C1"].as_dict()["blocked_by"] == "C0"
-    assert out["C2"].status == "blocked" and out["C2"].label() == "blocked by C1"   # C1 is bad: blocked by it
+    assert out["C2"].status == "blocked" and out["C2"].label() == "blocked by C1 (own checks not run)"
 
 
 def test_models_are_judged_separately_and_shared_checks_count_for_all():
@@ -88,8 +91,56 @@ def test_an_earlier_gate_that_did_not_run_leaves_skipped_gates_not_run():
              r("C2", "passed")])["m"]
     assert out["C0"].status == "not run" and out["C1"].status == "not run"
     assert out["C2"].status == "blocked" and out["C2"].reason.startswith("blocked by C0: C0 is not run")
+    assert out["C2"].label() == "blocked by C0 (own checks 1/1 pass)"
 
 
 def test_a_failed_gate_blocks_even_checks_that_skipped_for_other_reasons():
     out = v([r("C0", "failed"), r("C1", "skipped", reason="no CUDA")])["m"]
-    assert out["C1"].status == "blocked" and out["C1"].label() == "blocked by C0"
+    assert out["C1"].status == "blocked" and out["C1"].label() == "blocked by C0 (own checks not run)"
+
+
+def test_a_chain_keeps_running_and_says_how_a_blocked_gate_did_on_its_own():
+    """--upto: every gate's checks ran; a gate after a red one reads 'blocked by C1 (own checks 3/3
+    pass)', and one that failed itself reads fail - the whole picture in one run."""
+    res = [r("C0", "passed"), r("C1", "failed")] + [r("C2", "passed", nodeid=f"c2-{i}") for i in range(3)] + \
+        [r("C3", "failed", nodeid="c3-a"), r("C3", "passed", nodeid="c3-b")]
+    out = v(res)["m"]
+    assert out["C2"].label() == "blocked by C1 (own checks 3/3 pass)" and out["C2"].as_dict()["own_checks"] == "3/3 pass"
+    assert out["C3"].status == "fail"
+    assert not all_passed(v(res), ["C0", "C1", "C2"])
+
+
+def test_unchained_gates_get_their_own_verdicts_with_a_note():
+    """`pytest -m C2` / `-m "C1 or C3"`: each requested gate its own verdict from its own checks;
+    the earlier gates this run did not request are a note, never 'blocked by C0: missing'."""
+    alone = gate_verdicts([r("C2", "passed")], ["m"], ("C2",), chained=False)["m"]
+    assert list(alone) == ["C2"] and alone["C2"].status == "pass"
+    assert alone["C2"].notes[0].startswith("earlier gates not run in this run: C0, C1")
+    two = gate_verdicts([r("C1", "failed"), r("C3", "passed")], ["m"], ("C1", "C3"), chained=False)["m"]
+    assert two["C1"].status == "fail" and two["C3"].status == "pass"
+    assert "C0, C2" in two["C3"].notes[0]
+    first = gate_verdicts([r("C0", "passed")], ["m"], ("C0",), chained=False)["m"]
+    assert first["C0"].notes == []
+
+
+def test_known_failures_get_their_own_label_and_block_only_when_strict():
+    res = [r("C0", "passed"), r("C1", KNOWN_FAILURE, reason="vLLM 0.26 fused_add_rms_norm", nodeid="k"),
+           r("C1", "passed"), r("C2", "passed")]
+    out = v(res)["m"]
+    assert out["C1"].status == "pass with known failures" and out["C1"].label() == "pass with known failures (1)"
+    assert out["C1"].known_failures == [("k", "vLLM 0.26 fused_add_rms_norm")]
+    assert out["C1"].passed and out["C2"].status == "pass"
+    assert not all_passed(v(res), ["C0", "C1"])           # --strict-gates never takes it for a pass
+    strict = v(res, known_failures_block=True)["m"]
+    assert strict["C2"].label() == "blocked by C1 (own checks 1/1 pass)"
+    only_known = v([r("C0", KNOWN_FAILURE, reason="x")])["m"]
+    assert only_known["C0"].label() == "pass with known failures (1)"
+    assert overall({"a": out, "b": v([r("C0", "passed"), r("C1", "passed")])["m"]}, "C1") == "pass with known failures"
+
+
+def test_every_check_n_a_is_incomplete_never_not_run_or_green():
+    """#20: a gate whose every check is n/a for the model verified nothing: incomplete."""
+    out = v([r("C0", "passed"), r("C1", "skipped", reason="the reference engine has no decode path", kind="n/a"),
+             r("C1", "skipped", reason="no CUDA", nodeid="x")])["m"]
+    assert out["C1"].status == "incomplete" and out["C1"].reason.startswith("no check could run for this model")
+    assert out["C2"].status == "missing"

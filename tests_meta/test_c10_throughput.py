@@ -1,0 +1,232 @@
+"""C10's throughput check without a GPU: the workload option and its defaults per device, the
+seeded requests, the timing loop and the ratio check against engines with a planted clock (a 4x
+slower invariant engine must fail --min-throughput-ratio 0.5: the negative control), and the
+whole gate end to end on the fake vLLM worker (its clock coming back through the worker protocol),
+the workload and ratio in report.md."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures.checks.throughput import (check_ratio, parse_min_throughput_ratio, throughput_metrics,
+                                        time_rollout)
+from fixtures.checks.workloads import (MIN_ROLLOUT_TOKENS, ROLLOUT_ACCELERATOR, ROLLOUT_CPU, RolloutWorkload,
+                                       parse_rollout_workload, rollout_workload)
+from fixtures.core.contract import Completion, EngineStats, Sample
+
+pytest_plugins = ["pytester"]
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = RolloutWorkload(prompts=4, prompt_tokens=9, max_tokens=13, n=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# the workload: option, defaults, requests
+# ---------------------------------------------------------------------------------------------
+def test_defaults_depend_on_the_device():
+    gpu = rollout_workload(None, "cuda")
+    assert gpu == ROLLOUT_ACCELERATOR and gpu.prompts >= 256 and gpu.prompt_tokens >= 256 and gpu.max_tokens >= 128
+    assert gpu.n > 1 and gpu.temperature == 1.0
+    assert rollout_workload(None, "cpu") == ROLLOUT_CPU and rollout_workload("", "cpu:0") == ROLLOUT_CPU
+    assert ROLLOUT_CPU.generated_tokens >= MIN_ROLLOUT_TOKENS
+    assert rollout_workload("16,32,8,2", "cuda") == RolloutWorkload(16, 32, 8, 2)     # the option wins
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("8,16", "expected PROMPTS,IN,OUT,N"), ("8,16,8,4,1", "expected PROMPTS,IN,OUT,N"),
+    ("8,16,0,4", "whole numbers >= 1"), ("a,b,c,d", "whole numbers >= 1"), ("8,16,8.5,4", "whole numbers"),
+    ("2,16,8,4", f"64 generated tokens per run; need >= {MIN_ROLLOUT_TOKENS}"),
+])
+def test_bad_workloads_are_refused(text, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(".", r"\.")):
+        parse_rollout_workload(text)
+
+
+def test_workload_spelling_round_trips():
+    w = parse_rollout_workload(" 256, 256 ,128,4")
+    assert w == ROLLOUT_ACCELERATOR and parse_rollout_workload(w.spelling()) == w and w.generated_tokens == 131072
+    assert "256 prompts x 256 tokens in, n=4 samples x 128 tokens out (131072 generated per run)" in w.describe()
+
+
+@pytest.mark.parametrize("text, value", [(None, None), ("", None), ("0.5", 0.5), ("1", 1.0), ("1e-3", 0.001)])
+def test_min_ratio_parses(text, value):
+    assert parse_min_throughput_ratio(text) == value
+
+
+@pytest.mark.parametrize("text", ["0", "-0.5", "1.01", "nan", "inf", "fast"])
+def test_min_ratio_out_of_range_is_refused(text):
+    with pytest.raises(ValueError, match=r"0 < R <= 1"):
+        parse_min_throughput_ratio(text)
+
+
+def test_requests_are_the_workload_seeded_and_new_per_run():
+    a, b = SMALL.requests(1000, run=1), SMALL.requests(1000, run=1)
+    assert a == b, "the same run gives the same requests (on and off engines time the same workload)"
+    assert len(a) == 4 and all(len(r.prompt_ids) == 9 for r in a)
+    assert all(r.params.max_tokens == 13 and r.params.n == 4 and r.params.temperature == 1.0 and r.params.ignore_eos
+               for r in a)
+    assert len({r.params.seed for r in a}) == 4
+    other = SMALL.requests(1000, run=2)
+    assert not {r.prompt_ids for r in a} & {r.prompt_ids for r in other}, "each run draws its own prompts"
+    assert not {r.request_id for r in a} & {r.request_id for r in other}
+
+
+# ---------------------------------------------------------------------------------------------
+# the timing loop and the ratio check, on in-process engines with a planted clock
+# ---------------------------------------------------------------------------------------------
+class ClockedEngine:
+    """Generates exactly what is asked; reports `seconds_per_token` as its own clock (None: none).
+    `short` drops a token from every sample; `graph_steps` is what it claims to have replayed."""
+
+    def __init__(self, seconds_per_token: float | None, *, short: bool = False, graph_steps: int = 0):
+        self.spt, self.short, self.graph_steps = seconds_per_token, short, graph_steps
+        self.calls: list[int] = []
+        self._stats = EngineStats()
+
+    def generate(self, requests):
+        out = []
+        for r in requests:
+            k = r.params.max_tokens - (1 if self.short else 0)
+            out.append(Completion(r.request_id, r.prompt_ids,
+                                  [Sample([1] * k, torch.zeros(k)) for _ in range(r.params.n)]))
+        tokens = sum(len(s.token_ids) for c in out for s in c.samples)
+        self.calls.append(tokens)
+        self._stats = EngineStats(steps=3, graph_steps=self.graph_steps,
+                                  generate_seconds=None if self.spt is None else tokens * self.spt)
+        return out
+
+    def last_stats(self):
+        return self._stats
+
+
+def _measure(spt_on, spt_off, **kw):
+    on = time_rollout(ClockedEngine(spt_on, **kw), SMALL, 1000, batch_invariant=True, cuda_graphs=False)
+    off = time_rollout(ClockedEngine(spt_off, **kw), SMALL, 1000, batch_invariant=False, cuda_graphs=False)
+    return on, off
+
+
+def test_warm_up_then_timed_runs_on_the_engine_clock():
+    eng = ClockedEngine(1e-4)
+    m = time_rollout(eng, SMALL, 1000, batch_invariant=True, cuda_graphs=False, repeats=2)
+    assert eng.calls == [SMALL.generated_tokens] * 3, "a full-size warm-up, then two timed runs"
+    assert m.clock == "engine" and m.tokens == SMALL.generated_tokens and m.seconds == pytest.approx(208 * 1e-4)
+    assert m.tokens_per_s == pytest.approx(1e4)
+
+
+def test_without_an_engine_clock_the_caller_times_it():
+    m = time_rollout(ClockedEngine(None), SMALL, 1000, batch_invariant=True, cuda_graphs=False)
+    assert m.clock == "caller" and m.seconds > 0
+
+
+def test_slow_invariant_engine_fails_the_minimum():
+    """The negative control: invariance 4x slower must fail --min-throughput-ratio 0.5, with both
+    sides and the workload in the message; without a minimum the ratio is only reported."""
+    on, off = _measure(4e-4, 1e-4)
+    with pytest.raises(AssertionError) as info:
+        check_ratio(on, off, 0.5, SMALL)
+    text = str(info.value)
+    assert "throughput ratio 0.250 below --min-throughput-ratio 0.5" in text
+    assert "2500 tok/s" in text and "10000 tok/s" in text and SMALL.describe() in text
+    assert check_ratio(on, off, None, SMALL) == pytest.approx(0.25)
+    assert check_ratio(on, off, 0.25, SMALL) == pytest.approx(0.25)      # at the minimum: passes
+
+
+def test_equal_engines_pass_any_minimum():
+    on, off = _measure(1e-4, 1e-4)
+    assert check_ratio(on, off, 1.0, SMALL) == pytest.approx(1.0)
+
+
+def test_a_short_run_is_not_the_workload():
+    with pytest.raises(AssertionError, match="not the same workload"):
+        time_rollout(ClockedEngine(1e-4, short=True), SMALL, 1000, batch_invariant=False, cuda_graphs=False)
+
+
+def test_graphs_asked_but_not_replayed_fails():
+    with pytest.raises(AssertionError, match="none of the run's 3 steps replayed a captured graph"):
+        time_rollout(ClockedEngine(1e-4), SMALL, 1000, batch_invariant=True, cuda_graphs=True)
+    m = time_rollout(ClockedEngine(1e-4, graph_steps=2), SMALL, 1000, batch_invariant=True, cuda_graphs=True)
+    assert m.cuda_graphs and m.graph_steps == 2
+
+
+def test_metrics_say_what_was_measured():
+    on, off = _measure(2e-4, 1e-4)
+    got = throughput_metrics(SMALL, on, off)
+    assert got["throughput_ratio"] == 0.5 and got["rollout_tokens_generated"] == 208
+    assert got["rollout_workload"].endswith("[--rollout-workload=4,9,13,4]") and got["rollout_clock"] == "engine"
+    assert got["rollout_cuda_graphs"].startswith("off") and got["throughput_on_seconds"] == round(208 * 2e-4, 4)
+    from fixtures.plugin.report import throughput_section
+    rows = throughput_section([{"gate": "C10", "model": "qwen3", "name": k, "value": v} for k, v in got.items()])
+    assert rows[1] == "## Throughput (C10)" and rows[-1].startswith("| qwen3 | 4 prompts x 9 tokens in")
+    assert "| **0.5** |" in rows[-1]
+    assert throughput_section([{"gate": "C7", "model": "qwen3", "name": "k1", "value": 0}]) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# the options and the gate end to end
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, needle", [
+    (["--min-throughput-ratio=1.5"], "--min-throughput-ratio=1.5: expected a ratio R with 0 < R <= 1"),
+    (["--min-throughput-ratio", "0"], "--min-throughput-ratio=0: expected a ratio"),
+    (["--min-throughput-ratio=fast"], "--min-throughput-ratio=fast: expected a ratio"),
+    (["--rollout-workload=8,16"], "--rollout-workload=8,16: expected PROMPTS,IN,OUT,N"),
+    (["--rollout-workload", "1,16,8,4"], "--rollout-workload=1,16,8,4: PROMPTS x N x OUT = 32 generated tokens"),
+])
+def test_bad_options_are_one_usage_error(pytester, monkeypatch, args, needle):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = pytester.runpytest_inprocess("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider",
+                                       *args)
+    err = res.stderr.str()
+    assert res.ret == pytest.ExitCode.USAGE_ERROR, res.stdout.str() + err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ERROR: ") and needle in lines[0], err
+
+
+FACTORIES = '''
+from fixtures.vllm.implementation import VLLMImplementation
+class FakeVLLM(VLLMImplementation):
+    def device(self):
+        return "cpu"        # the fake worker runs anywhere: not skipped as "no CUDA"
+def slow():
+    return FakeVLLM(fake="slow_invariant", max_idle=0)
+'''
+
+
+def _run_c10(tmp_path, factory: str, *args) -> tuple[subprocess.CompletedProcess, Path]:
+    """The real gate module, on the fake vLLM worker (its clock planted), with a small workload."""
+    (tmp_path / "c10_fakes.py").write_text(FACTORIES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "CONFORMANCE_VLLM_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")])
+    env["CONFORMANCE_VLLM_LOG_DIR"] = str(tmp_path / "logs")
+    report = tmp_path / f"report-{factory}"
+    res = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                          "tests_c10_delivery/test_c10_delivery.py", "-k", "throughput", f"--impl=c10_fakes:{factory}",
+                          "--model=qwen3", "--rollout-workload=8,16,8,4", f"--report={report}",
+                          f"--basetemp={tmp_path / ('base-' + factory)}", *args],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return res, report
+
+
+def test_gate_end_to_end_on_the_fake_worker(tmp_path):
+    """The real gate through the vLLM worker protocol, its clock planted 4x slower with invariance
+    on: --min-throughput-ratio 0.5 fails (the negative control seen to fail), the repro passes both
+    options again, and report.md still says what was measured: the workload, CUDA graphs on (the
+    fake declares them and shows a replayed step), tokens, both sides, the ratio, the worker's clock.
+    (Equal engines passing a minimum: test_equal_engines_pass_any_minimum.)"""
+    res, report = _run_c10(tmp_path, "slow", "--min-throughput-ratio=0.5")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "throughput ratio 0.250 below --min-throughput-ratio 0.5" in res.stdout
+    assert "--min-throughput-ratio=0.5" in res.stdout and "--rollout-workload=8,16,8,4" in res.stdout   # the repro
+    md = (report / "report.md").read_text()
+    section = md.split("## Throughput (C10)", 1)[1].split("##", 1)[0]
+    assert "| qwen3 | 8 prompts x 16 tokens in, n=4 samples x 8 tokens out (256 generated per run)" in section
+    assert "[--rollout-workload=8,16,8,4] | on | 256 | 2500.0 (0.1024) | 10000.0 (0.0256) | **0.25** | engine |" \
+        in section, section
+    names = {m["name"] for m in json.loads((report / "report.json").read_text())["metrics"]}
+    assert {"throughput_ratio", "throughput_on_tok_s", "throughput_off_tok_s", "rollout_workload",
+            "rollout_cuda_graphs", "rollout_tokens_generated", "throughput_on_seconds",
+            "throughput_off_seconds"} <= names

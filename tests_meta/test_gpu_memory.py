@@ -1,0 +1,307 @@
+"""Several xdist workers on one GPU (fixtures.core.gpu_memory, fixtures.vllm.pool): the budget's
+arithmetic, engines' gpu_memory_utilization clipped to a worker's share, idle engines closed before
+a start or a trainer that would not fit, and an engine start that runs out of memory recorded as
+"error: out of memory" with who held what. CPU only: the engines are the fake worker backend, whose
+footprint is the KV cache it is asked for."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+
+from fixtures.core import gpu_memory
+from fixtures.core.contract import EngineSettings
+from fixtures.vllm import client as vclient
+from fixtures.vllm import implementation as vimpl
+from fixtures.vllm import ipc as vipc
+from fixtures.vllm import pool as vpool
+from fixtures.vllm import settings as vset
+
+pytest_plugins = ["pytester"]
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fake-model")
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000, "eos_token_id": 7}))
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _logs(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path / "logs"))
+    for name in ("CONFORMANCE_VLLM_GPU_MEMORY_BUDGET", gpu_memory.SHARERS_ENV, "PYTEST_XDIST_WORKER_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _engine(model_dir, kv_bytes: int, fake: str = "echo", n: int = 1):
+    """A fake engine whose measured footprint is `kv_bytes` (max_num_seqs makes each key distinct)."""
+    settings = EngineSettings(max_num_seqs=n, extra={"kv_cache_memory_bytes": kv_bytes})
+    return lambda: vclient.VLLMEngine(model_dir, settings, fake=fake)
+
+
+# ---------------------------------------------------------------------------------------------
+# the budget's arithmetic
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("env, workers", [
+    ({}, 1), ({"PYTEST_XDIST_WORKER_COUNT": "4"}, 4), ({"PYTEST_XDIST_WORKER_COUNT": "bad"}, 1),
+    ({"PYTEST_XDIST_WORKER_COUNT": "8", gpu_memory.SHARERS_ENV: "2"}, 2)])
+def test_workers_sharing_the_gpu(env, workers):
+    assert gpu_memory.workers_sharing_gpu(env) == workers
+
+
+def test_pinned_workers_share_a_gpu_round_robin():
+    # gwN on GPU N mod G: 5 workers on 2 GPUs -> GPU 0 has gw0, gw2, gw4; GPU 1 has gw1, gw3
+    assert [gpu_memory.sharers_when_pinned(i, 5, 2) for i in range(5)] == [3, 2, 3, 2, 3]
+    assert [gpu_memory.sharers_when_pinned(i, 4, 8) for i in range(4)] == [1, 1, 1, 1]
+    assert gpu_memory.sharers_when_pinned(0, 4, 0) == 4
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4, 8])
+def test_each_worker_gets_its_share_of_the_budget(workers):
+    b = gpu_memory.budget_from("0.8", env={"PYTEST_XDIST_WORKER_COUNT": str(workers)})
+    assert b.fraction == 0.8 and b.workers == workers
+    assert b.share == pytest.approx(0.8 / workers)
+    assert b.share_bytes(141 * 10**9) == int(0.8 / workers * 141 * 10**9)
+    assert b.share_bytes() is None                   # the device's size not known yet
+    assert gpu_memory.budget_from(None, env={}).fraction == gpu_memory.DEFAULT_BUDGET
+
+
+@pytest.mark.parametrize("bad", ["0", "1.5", "-0.1", "x", ""])
+def test_budget_fraction_must_be_a_fraction(bad):
+    with pytest.raises(ValueError, match="fraction"):
+        gpu_memory.parse_fraction(bad)
+
+
+def test_gpu_memory_utilization_is_clipped_to_the_share(model_dir):
+    capped = vset.AdapterDefaults(gpu_memory_cap=0.05)
+    eff = vset.effective_settings(EngineSettings(), capped)
+    assert eff["gpu_memory_utilization"] == 0.05 and "gpu_memory_utilization_asked" not in eff
+    eff = vset.effective_settings(EngineSettings(extra={"gpu_memory_utilization": 0.5}), capped)
+    assert (eff["gpu_memory_utilization"], eff["gpu_memory_utilization_asked"]) == (0.05, 0.5)
+    assert vset.effective_settings(EngineSettings(extra={"gpu_memory_utilization": 0.02}), capped)[
+        "gpu_memory_utilization"] == 0.02
+    assert vset.llm_kwargs(model_dir, EngineSettings(), capped)["gpu_memory_utilization"] == 0.05
+    assert vset.effective_settings(EngineSettings())["gpu_memory_utilization"] == 0.1   # no budget: as before
+
+
+@pytest.mark.parametrize("workers, utilization", [(1, 0.1), (4, 0.1), (16, 0.05)])
+def test_the_implementation_sizes_engines_from_the_budget(model_dir, monkeypatch, workers, utilization):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(workers))
+    monkeypatch.setenv("CONFORMANCE_VLLM_GPU_MEMORY_BUDGET", "0.8")
+    impl = vimpl.VLLMImplementation(fake="echo", max_idle=0)
+    try:
+        assert impl.memory_budget.share == pytest.approx(0.8 / workers)
+        assert f"/ {workers} worker" in impl.describe()["gpu_memory_budget"]
+        with impl.make_engine(model_dir) as e:
+            assert e.engine.kwargs["gpu_memory_utilization"] == pytest.approx(utilization)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with impl.make_engine(model_dir, EngineSettings(extra={"gpu_memory_utilization": 0.9})) as e:
+                assert e.engine.kwargs["gpu_memory_utilization"] == pytest.approx(0.8 / workers)
+                assert "clipped to" in e.engine.log_path.read_text()
+        assert any("asked gpu_memory_utilization=0.9; clipped" in str(w.message) for w in seen)
+    finally:
+        impl.pool.close_all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the pool keeps a worker's engines within its share
+# ---------------------------------------------------------------------------------------------
+def test_idle_engines_are_closed_before_a_start_that_would_not_fit(model_dir):
+    # share 2 GiB; engines of 0.75 GiB; the idle cap (5) alone would keep them all
+    pool = vpool.EnginePool(max_idle=5, budget=gpu_memory.MemoryBudget(0.5, 2, total_bytes=8 * GIB))
+    try:
+        a = pool.acquire("a", _engine(model_dir, 3 * GIB // 4, n=1))
+        a_engine = a.engine
+        assert vpool.engine_bytes(a_engine) == 3 * GIB // 4 and pool.largest == 3 * GIB // 4
+        a.close()
+        with pool.acquire("b", _engine(model_dir, 3 * GIB // 4, n=2)):
+            pass
+        assert len(pool.entries) == 2 and pool.held_bytes() == 3 * GIB // 2      # both idle, 1.5 GiB
+        with pool.acquire("c", _engine(model_dir, 3 * GIB // 4, n=3)):
+            assert list(pool.entries) == ["b", "c"], "the least recently used idle engine makes room"
+            assert a_engine.proc.poll() is not None
+        assert pool.closed_for_memory == 1 and pool.starts == 3
+        report = pool.memory_report()
+        assert [e["idle"] for e in report["held"]] == [True, True]
+        assert report["budget"] == {"fraction": 0.5, "workers": 2, "share": 0.25, "share_bytes": 2 * GIB}
+        # a trainer (or any big allocation) makes room through the registry, without knowing the pool
+        freed = gpu_memory.make_room(GIB)
+        assert freed == 3 * GIB // 4 and list(pool.entries) == ["c"]
+        assert gpu_memory.make_room(None) == 3 * GIB // 4 and not pool.entries
+    finally:
+        pool.close_all()
+
+
+def test_a_released_engine_beyond_the_share_is_not_kept(model_dir):
+    pool = vpool.EnginePool(max_idle=2, budget=gpu_memory.MemoryBudget(0.25, 1, total_bytes=8 * GIB))
+    try:
+        with pool.acquire("big", _engine(model_dir, 3 * GIB)) as lease:
+            proc = lease.engine.proc
+        assert not pool.entries and proc.poll() is not None, "idle, it would hold 3 GiB of a 2 GiB share"
+    finally:
+        pool.close_all()
+
+
+def test_without_a_budget_the_idle_cap_alone_decides(model_dir):
+    pool = vpool.EnginePool(max_idle=2)
+    try:
+        for n in (1, 2):
+            with pool.acquire(str(n), _engine(model_dir, 3 * GIB, n=n)):
+                pass
+        assert len(pool.entries) == 2 and pool.closed_for_memory == 0
+    finally:
+        pool.close_all()
+
+
+# ---------------------------------------------------------------------------------------------
+# an engine start out of memory: EngineOutOfMemory, after closing idle engines and one retry
+# ---------------------------------------------------------------------------------------------
+def test_a_start_out_of_memory_closes_idle_engines_retries_and_says_so(model_dir):
+    pool = vpool.EnginePool(max_idle=2)
+    try:
+        with pool.acquire("idle", _engine(model_dir, GIB, n=1)) as idle:
+            idle_proc = idle.engine.proc
+        kept = pool.acquire("kept", _engine(model_dir, GIB, n=2))
+        with pytest.raises(vipc.EngineOutOfMemory) as info:
+            pool.acquire("oom", _engine(model_dir, GIB, fake="oom_start", n=3))
+        exc = info.value
+        first = str(exc).splitlines()[0]
+        assert first.startswith("vLLM worker: engine start raised ValueError: Free memory on device cuda:0")
+        assert "1 idle engine of this worker closed first" in first
+        assert exc.out_of_memory is True and isinstance(exc, vipc.VLLMWorkerError)
+        assert idle_proc.poll() is not None and list(pool.entries) == ["kept"]
+        assert kept.engine.alive, "a leased engine is never closed to make room"
+        with pytest.raises(vipc.EngineOutOfMemory, match="0 idle engines of this worker closed first"):
+            pool.acquire("oom", _engine(model_dir, GIB, fake="oom_start", n=3))
+        kept.close()
+    finally:
+        pool.close_all()
+
+
+def test_an_engine_error_that_is_not_memory_stays_a_worker_error(model_dir):
+    pool = vpool.EnginePool(max_idle=2)
+    try:
+        with pytest.raises(vipc.VLLMWorkerError) as info:
+            pool.acquire("x", _engine(model_dir, GIB, fake="fail_start"))
+        assert not isinstance(info.value, vipc.EngineOutOfMemory)
+    finally:
+        pool.close_all()
+
+
+OOM_SUITE = """
+import json, pytest
+from fixtures.core import gpu_memory
+from fixtures.core.contract import EngineSettings
+from fixtures.vllm import client, pool as vpool
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000}))
+    return tmp_path
+
+@pytest.mark.C0
+def test_c0_ok(): pass
+
+@pytest.mark.C3
+def test_engine_start_out_of_memory(model_dir):
+    pool = vpool.EnginePool(max_idle=2, budget=gpu_memory.MemoryBudget(0.85, 4, total_bytes=140 << 30))
+    make = lambda fake, n: lambda: client.VLLMEngine(model_dir, EngineSettings(max_num_seqs=n,
+        extra={"kv_cache_memory_bytes": 6 << 30}), fake=fake)
+    held = pool.acquire("held", make("echo", 1))      # leased by this test: still live at the OOM
+    try:
+        pool.acquire("oom", make("oom_start", 2))
+    finally:
+        pass
+
+@pytest.mark.C3
+def test_plain_engine_failure(model_dir):
+    client.VLLMEngine(model_dir, fake="fail_start")
+"""
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["plain", "xdist"])
+def test_an_engine_start_out_of_memory_is_an_oom_outcome_with_who_held_what(write_suite, xdist):
+    if xdist:
+        pytest.importorskip("xdist")
+    pt = write_suite({"tests_c0_inventory/test_engine_oom.py": OOM_SUITE})
+    res = pt.runpytest_inprocess("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider",
+                                 "--report=rep", *(["-n", "2"] if xdist else []))
+    res.assert_outcomes(passed=1, failed=2)
+    doc = json.loads((pt.path / "rep" / "report.json").read_text())
+    checks = {c["nodeid"].rpartition("::")[2]: c for c in doc["checks"]}
+    oom = checks["test_engine_start_out_of_memory"]
+    assert oom["outcome"] == "error: out of memory", oom
+    assert oom["reason"].startswith("EngineOutOfMemory: vLLM worker: engine start raised ValueError: Free memory on "
+                                    "device cuda:0 (10.50/139.80 GiB) on startup is less than desired GPU memory")
+    (holder,) = oom["memory"]["holders"]
+    (engine,) = holder["held"]
+    assert engine["bytes"] == 6 << 30 and engine["idle"] is False and "vLLM engine" in engine["what"]
+    assert holder["budget"]["workers"] == 4 and holder["budget"]["share_bytes"] == int(0.85 / 4 * (140 << 30))
+    assert "this worker's vLLM engines: vLLM engine " in oom["reason"] and "6.00 GiB" in oom["reason"]
+    assert "budget 0.85 of the device / 4 workers = 29.75 GiB each" in oom["reason"]
+    assert checks["test_plain_engine_failure"]["outcome"] == "failed"
+    c3 = doc["gates"]["C3"]["models"]["llama"]
+    assert c3["errors"] == {oom["nodeid"]: "error: out of memory"}
+    md = (pt.path / "rep" / "report.md").read_text()
+    assert "**ERROR: OUT OF MEMORY**" in md and "this worker's vLLM engines" in md
+
+
+def test_breakdown_marks_this_workers_processes(monkeypatch):
+    """nvidia-smi's compute processes, this worker's (its pid, its engines' pids) marked; summary
+    names the others (faked: no GPU here)."""
+    class Holder:
+        def memory_report(self):
+            return {"holder": "h", "held": [{"what": "engine", "bytes": 2 * GIB, "pid": 4242, "idle": True}],
+                    "budget": None}
+
+        def release_idle(self, need):
+            return 0
+    h = Holder()
+    gpu_memory.register(h)
+    monkeypatch.setattr(gpu_memory, "compute_apps", lambda: [
+        {"pid": os.getpid(), "name": "python", "bytes": GIB, "gpu": "u"},
+        {"pid": 4242, "name": "python", "bytes": 2 * GIB, "gpu": "u"},
+        {"pid": 999999, "name": "other", "bytes": 30 * GIB, "gpu": "u"}])
+    mem = gpu_memory.breakdown(RuntimeError("CUDA out of memory"))
+    assert [a["mine"] for a in mem["gpu_processes"]] == [True, True, False]
+    text = gpu_memory.summary(mem)
+    assert "h: engine 2.00 GiB idle (together 2.00 GiB)" in text
+    assert "GPU processes: this worker's 3.00 GiB; others pid 999999 30.00 GiB" in text
+    del h
+
+
+def test_pinned_workers_export_how_many_share_their_gpu(monkeypatch):
+    from fixtures.plugin import session
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    for worker, gpu, sharers in (("gw0", "5", "2"), ("gw1", "7", "1"), ("gw2", "5", "2")):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+        session._pin_gpu(worker)
+        assert (os.environ["CUDA_VISIBLE_DEVICES"], os.environ[gpu_memory.SHARERS_ENV]) == (gpu, sharers)
+        assert gpu_memory.workers_sharing_gpu() == int(sharers)
+
+
+def test_a_trainer_makes_room_first_and_retries_once_after_an_oom(model_dir, monkeypatch):
+    import torch
+    (model_dir / "model.safetensors").write_bytes(b"\0" * 1000)
+    impl = vimpl.VLLMImplementation(fake="echo", max_idle=2)
+    rooms, builds = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_memory, "make_room", lambda need=None: rooms.append(need) or 0)
+
+    def build(path):
+        builds.append(path)
+        if len(builds) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return "trainer"
+    monkeypatch.setattr(impl, "_build_trainer", build)
+    try:
+        assert impl.make_trainer(model_dir) == "trainer"
+        assert rooms == [2000, None] and len(builds) == 2, "room for weights + gradients, then everything idle"
+    finally:
+        impl.pool.close_all()
+        (model_dir / "model.safetensors").unlink()

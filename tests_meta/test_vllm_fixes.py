@@ -1,0 +1,205 @@
+"""The fix pack for vLLM's variant kernels (fixtures.vllm.fixes, fixtures.vllm.fixed_kernels) on the
+CPU: the --vllm-fixes option, the registry and its C0 / C2 wiring, the worker environment, the
+compiled engine's arguments, and the fixed kernels' algorithm through their pure-torch twins (the
+Triton kernels run only on a GPU: docs/vllm-fixes.md has the GPU commands)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures.core.comparison import BitwiseMismatch
+from fixtures.plugin.options import VLLM_FIX_NAMES, _fixes
+from fixtures.vllm import fixed_kernels as FK
+from fixtures.vllm import fixes as FX
+from fixtures.vllm import kernel_cases as VKC
+from fixtures.vllm.kernel_inventory import classify
+
+pytest_plugins = ["pytester"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the option and the registry
+# ---------------------------------------------------------------------------------------------
+def test_option_names_are_the_registry():
+    """The plugin may not import fixtures.vllm, so it keeps the names: they must be the registry's."""
+    assert VLLM_FIX_NAMES == tuple(FX.FIXES)
+
+
+@pytest.mark.parametrize("text,want", [("none", "none"), ("all", "all"), (" compiled , fused_add_rms_norm ",
+                                                                           "fused_add_rms_norm,compiled")])
+def test_option_canonical_form(text, want):
+    assert _fixes(text) == want
+    assert FX.parse(want) == (tuple(FX.FIXES) if want == "all" else tuple(n for n in FX.FIXES if n in want))
+
+
+@pytest.mark.parametrize("text", ["bogus", "fused_add_rms_norm,bogus", "none,compiled", ""])
+def test_unknown_fix_is_refused(text):
+    with pytest.raises(ValueError, match="expected none, all"):
+        _fixes(text) if text else _fixes(",")
+    if text:
+        with pytest.raises(ValueError):
+            FX.parse(text)
+
+
+def test_unknown_fix_is_one_usage_error(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.delenv(FX.FIXES_ENV, raising=False)
+    (pytester.path / "tests_c0_inventory").mkdir()
+    (pytester.path / "tests_c0_inventory" / "test_probe.py").write_text(
+        "import pytest\n@pytest.mark.C0\ndef test_probe():\n    pass\n")
+    res = pytester.runpytest_inprocess("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider",
+                                       "--vllm-fixes=fused_add_rms_norm,warp_drive")
+    err = [line for line in res.stderr.str().splitlines() if line.strip()]
+    assert res.ret == pytest.ExitCode.USAGE_ERROR, res.stdout.str() + res.stderr.str()
+    assert len(err) == 1 and err[0].startswith("ERROR: --vllm-fixes=") and "unknown fix warp_drive" in err[0], err
+    assert FX.FIXES_ENV not in os.environ
+
+
+def test_registry_wiring():
+    """Every fix says what it replaces and where it is judged; its C2 case exists and is not a
+    planted control; the kernels it installs map to its case in the C0 kernel table."""
+    for fix in FX.FIXES.values():
+        assert fix.replaces and fix.why and fix.judged_by
+        if fix.case is not None:
+            assert fix.case in VKC.CASES and not VKC.CASES[fix.case].planted
+            assert set(fix.reached) <= set(VKC.CASES) and fix.reached
+    for kernel, case in (("_conformance_fused_add_rms_norm_kernel", "fused_add_rms_norm"),
+                         ("_conformance_row_sum_kernel", "sampler_softmax")):
+        rule = classify(kernel, "conformance_fixes::fused_add_rms_norm")
+        assert rule is not None and rule.case == case, (kernel, rule)
+    assert FX.FIXES["fused_add_rms_norm"].in_trainer and not FX.FIXES["sampler_sum"].in_trainer
+
+
+def test_install_respects_invariance_and_trainer(monkeypatch):
+    """A stock control (VLLM_BATCH_INVARIANT=0) stays stock; the trainer takes only the fixes whose
+    path it runs; nothing is installed by either."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert all(s.startswith("not installed") for s in FX.install(FX.FIXES).values())
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    got = FX.install(("sampler_sum", "compiled"), where="trainer")
+    assert all(s.startswith("not in the trainer") for s in got.values())
+    assert FX.installed() == ()
+
+
+def test_compiled_fix_arguments():
+    """A compiled engine keeps vLLM's custom ops and inductor's per-op rounding; an eager engine and
+    an explicit custom_ops are left as they are; without the fix nothing changes."""
+    compiled = {"enforce_eager": False, "compilation_config": {"mode": "VLLM_COMPILE", "cudagraph_mode": "NONE"}}
+    kw, note = FX.adjust_llm_kwargs(compiled, ("compiled",))
+    assert kw["compilation_config"]["custom_ops"] == ["all"] and "custom_ops=['all']" in note
+    assert kw["compilation_config"]["inductor_compile_config"] == {"emulate_precision_casts": True}
+    assert compiled["compilation_config"].get("custom_ops") is None            # the caller's dict untouched
+    assert FX.adjust_llm_kwargs({"enforce_eager": True}, ("compiled",)) == ({"enforce_eager": True},
+                                                                           "eager engine: nothing to change")
+    given = {"enforce_eager": False, "compilation_config": {"mode": "VLLM_COMPILE", "custom_ops": ["+rms_norm"]}}
+    assert FX.adjust_llm_kwargs(given, ("compiled",))[0]["compilation_config"]["custom_ops"] == ["+rms_norm"]
+    assert FX.adjust_llm_kwargs(compiled, ("fused_add_rms_norm",)) == (compiled, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker environment: the fake backend and the fake kernel worker
+# ---------------------------------------------------------------------------------------------
+def test_fixes_reach_the_engine_worker(tmp_path, monkeypatch):
+    from fixtures.vllm import client as vclient
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000, "eos_token_id": 7}))
+    monkeypatch.setenv(FX.FIXES_ENV, "sampler_sum,fused_add_rms_norm")
+    with vclient.VLLMEngine(d, fake="echo", log_dir=tmp_path) as eng:
+        assert list(eng.info["vllm_fixes"]) == ["fused_add_rms_norm", "sampler_sum"]
+
+
+DIMS = {"hidden": 64, "intermediate": 32, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 96,
+        "experts": 0, "top_k": 0, "moe_intermediate": 0}
+
+
+@pytest.mark.parametrize("fix", ["fused_add_rms_norm", "sampler_sum"])
+def test_kernel_worker_runs_a_case_without_and_with_a_fix(fix, tmp_path):
+    """The C2 flow of test_vllm_fix_rows on the fake kernel worker (which plays vLLM 0.26's variants):
+    red without the fix, green with it, in one worker; its start set is the default for a call."""
+    case = FX.FIXES[fix].case
+    sizes = [1, 7, 64, 256, 300]
+    worker = VKC.KernelWorker(batch_invariant=True, dims=DIMS, log_dir=tmp_path, fake="echo", fixes=())
+    try:
+        with pytest.raises(BitwiseMismatch, match="fixes: none"):
+            VKC.check_rows(worker, case, sizes)
+        VKC.check_rows(worker, case, sizes, fixes=(fix,))
+        with pytest.raises(BitwiseMismatch):
+            VKC.check_rows(worker, case, sizes, fixes=())
+    finally:
+        worker.close()
+    worker = VKC.KernelWorker(batch_invariant=True, dims=DIMS, log_dir=tmp_path, fake="echo", fixes=(fix,))
+    try:
+        assert worker.info["fixes"] == {fix: "installed: fake"}
+        VKC.check_rows(worker, case, sizes)
+    finally:
+        worker.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the algorithm: the kernels' CPU twins give a row the same bits at every row count
+# ---------------------------------------------------------------------------------------------
+def _bf16(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).bfloat16()
+
+
+@pytest.mark.parametrize("H", [64, 2048, 4096, 5120])
+def test_fused_add_rms_norm_twin_is_row_invariant(H):
+    x, r, w = _bf16(300, H, seed=1), _bf16(300, H, seed=2), (1 + _bf16(H, seed=3, scale=0.1).float()).bfloat16()
+    out, res = FK.reference_fused_add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(res, (x.float() + r.float()).bfloat16())
+    for M in (1, 7, 255, 256, 257, 300):
+        o, z = FK.reference_fused_add_rms_norm(x[:M], r[:M], w, 1e-6)
+        assert torch.equal(o, out[:M]) and torch.equal(z, res[:M]), M
+    for i in (0, 11, 255, 299):
+        o, _ = FK.reference_fused_add_rms_norm(x[i:i + 1], r[i:i + 1], w, 1e-6)
+        assert torch.equal(o[0], out[i]), i
+    # the same norm as RMSNorm of the rounded sum, within bf16 rounding of a float64 reference
+    z = res.double()
+    want = (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double())
+    assert torch.allclose(out.double(), want, rtol=2 ** -7, atol=1e-6)
+
+
+def test_fused_add_rms_norm_op_is_in_place_and_opaque_to_compile():
+    """The drop-in for vllm._custom_ops.fused_add_rms_norm: in place on (input, residual) like the
+    CUDA op, the twin's bits, and the same bits inside a compiled graph (aot_eager: the custom op
+    is kept, not traced through)."""
+    x, r, w = _bf16(9, 64, seed=4), _bf16(9, 64, seed=5), _bf16(64, seed=6)
+    want_out, want_res = FK.reference_fused_add_rms_norm(x, r, w, 1e-6)
+    xi, ri = x.clone(), r.clone()
+    assert FK.fused_add_rms_norm(xi, ri, w, 1e-6) is None
+    assert torch.equal(xi, want_out) and torch.equal(ri, want_res)
+
+    def f(a, b):
+        a, b = a.clone(), b.clone()
+        FK.fused_add_rms_norm(a, b, w, 1e-6)
+        return a, b
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(x, r)
+    assert torch.equal(got[0], want_out) and torch.equal(got[1], want_res)
+    xn, rn = x.clone(), r.clone()
+    FK.fused_add_rms_norm(xn, rn, None, 1e-6)                     # RMSNorm(has_weight=False)
+    assert torch.equal(xn, FK.reference_fused_add_rms_norm(x, r, None, 1e-6)[0])
+
+
+@pytest.mark.parametrize("N", [1, 96, 2048, 151936 // 16])
+def test_row_sum_and_softmax_twins_are_row_invariant(N):
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(40, N, generator=g) * 3
+    full, sm = FK.row_sum(x, -1), FK.softmax(x, -1)
+    for M in (1, 7, 40):
+        assert torch.equal(FK.row_sum(x[:M], -1), full[:M]) and torch.equal(FK.softmax(x[:M], -1), sm[:M]), M
+    assert torch.equal(FK.row_sum(x[7:8], -1, keepdim=True)[:, 0], full[7:8])
+    assert torch.allclose(full.double(), x.double().sum(-1), rtol=1e-5, atol=1e-3 * N ** 0.5)
+    assert torch.allclose(sm.double().sum(-1), torch.ones(40, dtype=torch.float64), atol=1e-5)
+    assert torch.equal(FK.row_sum(x.t(), 0), full)                 # another dim: moved last, same order
+
+
+def test_tree_sum_needs_a_power_of_two():
+    with pytest.raises(ValueError, match="power-of-two"):
+        FK.tree_sum(torch.ones(3, 6))
