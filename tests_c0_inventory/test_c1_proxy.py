@@ -79,13 +79,22 @@ def test_loads_in_engine(engine_factory, proxy):
     assert lps[0].numel() == 3 and torch.isfinite(lps[0]).all()
 
 
-def test_op_kinds_equal_real_model(trainer, proxy, real_config):
+def test_op_kinds_equal_real_model(trainer, proxy, real_config, request):
+    """The proxy reaches the real model's op kinds. Kinds that differ because the trainer's module
+    runs a custom autograd Function (its own backward) are named as such and left to C8, which
+    judges that backward against float64; every other difference fails here."""
     module = trainer.module()
     attn = getattr(getattr(module, "config", None), "_attn_implementation", None) or "eager"
     mine = op_kinds.op_kinds(module, vocab_size=proxy.config.vocab_size)
     dtype = next(module.parameters()).dtype
     real = op_kinds.real_op_kinds(real_config, attn_implementation=attn, dtype=dtype)
-    assert mine == real, op_kinds.describe_difference(mine, real)
+    if mine == real:
+        return
+    customs = op_kinds.custom_backwards(module, vocab_size=proxy.config.vocab_size)
+    explained, unexplained = op_kinds.split_difference(mine, real, customs)
+    if explained:
+        request.node.user_properties.append(("note", op_kinds.custom_backward_note(customs, explained)))
+    assert not unexplained, op_kinds.describe_difference(mine, real, customs=customs)
 
 
 def test_build_is_reproducible(proxy, model_name, tmp_path, impl):

@@ -7,16 +7,23 @@ parameters did change. Skipping the weight push must be detected.
 Each rollout is the lane's parity rollout (fixtures.checks.workloads.parity_workload: hundreds of
 sequences on a GPU, engine steps and trainer micro-batches past 256 and 1024 tokens), the trainer
 packing it into micro-batches of --trainer-micro-batch-tokens for both its logprobs and its
-optimizer steps (one per micro-batch, as PPO mini-batches; one on the CPU lane's toy rollout)."""
+optimizer steps (one per micro-batch, as PPO mini-batches; one on the CPU lane's toy rollout).
+
+The second rollout re-sends the first one's prompts (new sampling seeds), as RL does across GRPO
+groups and epochs, with the prefix cache as the push left it: it must equal the same requests from
+a cold cache (and the trainer), so a cache that survived the push, serving K/V of the old weights,
+is caught; the first rollout's prompts must be seen held in the cache at the push."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from fixtures.core.comparison import BitwiseMismatch
-from fixtures.core.contract import TrainsRL
+from fixtures.core.contract import ResetsPrefixCache, TrainsRL
 from fixtures.core.outcomes import not_applicable, not_available
-from fixtures.checks.rollouts import assert_parity, sample_rollouts
+from fixtures.diagnose.engine_rows import run_stated
+from fixtures.checks.rollouts import assert_parity, collect, sample_rollouts
+from fixtures.checks.weight_push import assert_served_fresh, held_prompts, resent
 from fixtures.checks.workloads import pack_micro_batches, parity_workload
 from fixtures.plugin.options import trainer_micro_batch_tokens
 
@@ -35,9 +42,10 @@ def parity(impl, pytestconfig):
     return workload, trainer_micro_batch_tokens(pytestconfig) or workload.micro_batch_tokens
 
 
-def rl_step(engine, trainer, vocab: int, seed: int, parity, record=None, label=""):
+def rl_step(engine, trainer, vocab: int, seed: int, parity, record=None, label="", rollouts=None):
+    """Rollout (or the given `rollouts`), parity with the trainer, one optimizer step per micro-batch."""
     workload, mbt = parity
-    rs = sample_rollouts(engine, workload.requests(vocab, seed=seed))
+    rs = rollouts if rollouts is not None else sample_rollouts(engine, workload.requests(vocab, seed=seed))
     metrics = assert_parity(engine, trainer, rs, record=record, label=label, micro_batch_tokens=mbt)
     rewards = torch.tensor([reward(r.token_ids) for r in rs], dtype=torch.float64)
     adv = (rewards - rewards.mean()).tolist()
@@ -85,7 +93,9 @@ def test_two_rl_steps_stay_exactly_on_policy(fresh_pair, proxy, parity, record_m
     vocab = proxy.config.vocab_size
     before = trainer.weight_hashes()
     assert mismatched_hashes(engine.weight_hashes(), before) == [], "engine and trainer start from different weights"
+    step1 = parity[0].requests(vocab, seed=10)
     rl_step(engine, trainer, vocab, seed=10, parity=parity, record=record_metric, label="step1_")
+    prompts_held(engine, step1, record_metric)
     after = trainer.weight_hashes()
     changed = mismatched_hashes(before, after)
     assert changed, "the optimizer step changed no parameter"
@@ -93,7 +103,38 @@ def test_two_rl_steps_stay_exactly_on_policy(fresh_pair, proxy, parity, record_m
     bad = mismatched_hashes(engine.weight_hashes(), after)
     assert not bad, f"after the weight push {len(bad)} tensors differ between engine and trainer: {bad[:5]}"
     record_metric("tensors_changed", len(changed))
-    rl_step(engine, trainer, vocab, seed=11, parity=parity, record=record_metric, label="step2_")
+    rs = resend_after_push(engine, step1, record_metric)
+    rl_step(engine, trainer, vocab, seed=11, parity=parity, record=record_metric, label="step2_", rollouts=rs)
+
+
+STEP2_STATE = ("warm from step 1 (its prompts ran on the old weights, then the weight push; the prefix cache as the "
+               "push left it)")
+
+
+def prompts_held(engine, step1, record) -> None:
+    """Before the push: step 1's prompts, re-sent for one token, read the prefix cache - so a cache
+    that survives the push would serve them to step 2 (else the repeat proves nothing). An engine
+    without a prefix cache has none to go stale: nothing to see, no metric."""
+    if not engine.capabilities().prefix_cache:
+        return
+    held = sum(c.num_cached_tokens for c in engine.generate(held_prompts(step1)))
+    record("step1_prompt_tokens_held_at_push", held)
+    assert held > 0, "the declared prefix cache held none of step 1's prompts at the weight push"
+
+
+def resend_after_push(engine, step1, record):
+    """Step 2's rollout: step 1's prompts again on the cache as the push left it, checked against
+    the same requests from a cold cache (ResetsPrefixCache) before the trainer sees it."""
+    requests = resent(step1)
+    warm, _ = run_stated(engine, requests, requests[0].request_id, label="step 2", state=STEP2_STATE)
+    stats = engine.last_stats()
+    record("step2_cached_prompt_tokens", int(stats.cached_prompt_tokens))
+    if isinstance(engine, ResetsPrefixCache):
+        cold, cold_run = run_stated(engine, requests, requests[0].request_id, label="cold start")
+        assert_served_fresh(warm, cold, after_traces=dict(stats.requests or {}),
+                            cold_traces=dict(engine.last_stats().requests or {}), after_label="step 2 after the push",
+                            after_state=STEP2_STATE, cold_state=cold_run.state, nothing_computed_since=False)
+    return collect(warm, stats)
 
 
 def test_skipped_push_is_detected(fresh_pair, proxy, parity):

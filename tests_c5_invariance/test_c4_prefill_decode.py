@@ -1,7 +1,8 @@
 """Gate C4 - Prefill/decode invariance: every decode logprob equals the prompt logprob at that
 position from one prefill of prompt + generated ids (ids, never re-tokenised text); chunked
-prefill at several split points equals unchunked; a prefix-cache hit equals a cold start; decode
-resumed after preemption equals uninterrupted decode. Each mechanism must be seen to engage.
+prefill at several split points equals unchunked; a prefix-cache hit equals a cold start, also
+after a weight push (no block computed before it may be read); decode resumed after preemption
+equals uninterrupted decode. Each mechanism must be seen to engage.
 
 Every run starts from a stated engine state - cold (the prefix cache reset first), or for the
 prefix-cache hit deliberately warm - and a failure prints, for both sides, the cached prompt
@@ -11,12 +12,15 @@ one engine, reused for all of its examples."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, note, strategies as st
 
 from fixtures.core.comparison import assert_bitwise
 from fixtures.core.contract import EngineSettings, Request, ResetsPrefixCache, SamplingParams
 from fixtures.core.outcomes import must_fire, not_applicable
-from fixtures.diagnose.engine_rows import COLD, StatedRun, run_stated, start_from, state_context
+from fixtures.diagnose.conventions import diagnoser
+from fixtures.diagnose.engine_rows import COLD, StatedRun, run_stated, start_from, state_context, where_runs_part
+from fixtures.checks.weight_push import assert_served_fresh, checkpoint_weights, moved_weights
 from fixtures.checks.workloads import (assert_same_completion, engine_settings, long_request, random_ids,
                                        requests)
 
@@ -26,9 +30,13 @@ CHUNK_BUDGETS = (3, 7, 16, 17, 33)
 """Token budgets of the chunked-prefill check: split points off and on KV-block boundaries (16)."""
 
 
-def assert_decode_equals_prefill(engine, completions, decoded: dict | None = None, **context):
+def assert_decode_equals_prefill(engine, completions, decoded: dict | None = None, *, params: dict | None = None,
+                                 trainer=None, **context):
     """Each sample's decode logprobs vs the prompt logprobs of one prefill of prompt + its ids,
-    the prefill from a cold cache; `decoded`: request id -> StatedRun of the decode side."""
+    the prefill from a cold cache; `decoded`: request id -> StatedRun of the decode side. A
+    mismatch says which logprob convention the decode values follow (fixtures.diagnose.conventions:
+    raw vs temperature-scaled / renormalised, and whether the prefill equals `trainer()`), from
+    `params` (request id -> SamplingParams)."""
     __tracebackhide__ = True
     seqs, expect, owners = [], [], []
     for c in completions:
@@ -43,19 +51,24 @@ def assert_decode_equals_prefill(engine, completions, decoded: dict | None = Non
     for seq, lp, want, rid, trace in zip(seqs, prefilled, expect, owners, traces):
         n = len(want)
         sides = [StatedRun("prefill", reached, trace)] + ([decoded[rid]] if decoded and rid in decoded else [])
-        assert_bitwise(lp[len(seq) - 1 - n:], want, what="decode logprobs vs prompt logprobs of one prefill",
+        first = len(seq) - 1 - n
+        why = (lambda d, seq=seq, first=first, want=want, pre=lp[first:], rid=rid: diagnoser(
+            engine, trainer() if trainer else None, [seq], [first], [want], [(params or {}).get(rid)],
+            prefills=[pre])(d))
+        assert_bitwise(lp[first:], want, what="decode logprobs vs prompt logprobs of one prefill",
                        lhs_name="prefill", rhs_name="decode", prompt_tokens=len(seq) - n, **state_context(*sides),
-                       **context)
+                       diagnose=why, **context)
 
 
 @engine_settings()
 @given(data=st.data())
-def test_decode_equals_prefill(engine, proxy, data):
+def test_decode_equals_prefill(engine, proxy, lazy_trainer, data):
     batch = data.draw(requests(proxy.config.vocab_size, data.draw(st.sampled_from([1, 2, 7]), label="n")))
     completions, run = run_stated(engine, batch, batch[0].request_id, label="decode")
     traces = dict(engine.last_stats().requests or {})
     decoded = {r.request_id: StatedRun("decode", run.state, traces.get(r.request_id)) for r in batch}
-    assert_decode_equals_prefill(engine, completions, decoded)
+    assert_decode_equals_prefill(engine, completions, decoded, params={r.request_id: r.params for r in batch},
+                                 trainer=lazy_trainer)
 
 
 @pytest.mark.parametrize("budget", CHUNK_BUDGETS)
@@ -126,6 +139,56 @@ def test_prefix_cache_hit_equals_cold_start(engine_factory, engine, proxy):
         assert_same_completion(h, c, lhs=sides[0].label, rhs=sides[1].label, **state_context(*sides))
 
 
+PUSHED = ("warm from before the weight push (the same probes ran on the old weights, then load_weights; the "
+          "prefix cache as the push left it)")
+
+
+def test_prefix_cache_hit_after_weight_update_equals_cold(engine_factory, proxy):
+    """RL re-sends prompts after every weight push: a prompt served before the push must be computed
+    from the new weights. On an engine of this check (its weights are put back at the end): the
+    probes run cold on the checkpoint's weights, caching their prompts; every tensor moves
+    (fixtures.checks.weight_push); the probes run again on the cache as the push left it - none of
+    its blocks may be read - then cold, then warm on the new weights (a real hit: it must read the
+    cache). The three runs on the new weights give the same bits, and differ from the old weights'
+    run (else the push changed nothing a stale cache could show)."""
+    original = checkpoint_weights(proxy.path)
+    if not original:
+        not_applicable("the model directory holds no weight files to move (--proxy-weights engine-dummy)",
+                       feature="weight_update")
+    with engine_factory() as engine:
+        caps = engine.capabilities()
+        if not caps.prefix_cache or not caps.weight_update:
+            not_applicable("needs a prefix cache and a weight update path",
+                           feature="prefix_cache" if not caps.prefix_cache else "weight_update")
+        if not isinstance(engine, ResetsPrefixCache):
+            not_applicable("the engine cannot reset its prefix cache: no cold side on the pushed weights",
+                           capability=ResetsPrefixCache)
+        _, probes = prefix_probes(proxy.config.vocab_size)
+        rid = probes[0].request_id
+        old, _ = run_stated(engine, probes, rid, label="old weights")
+        engine.load_weights(moved_weights(original))
+        try:
+            after, _ = run_stated(engine, probes, rid, label="after the push", state=PUSHED)
+            after_traces = dict(engine.last_stats().requests or {})
+            cold, cold_run = run_stated(engine, probes, rid, label="cold start on the new weights")
+            cold_traces = dict(engine.last_stats().requests or {})
+            warm_state = "warm (deliberately: the same probes ran on the new weights just before)"
+            hit, _ = run_stated(engine, probes, rid, label="hit on the new weights", state=warm_state)
+            hit_traces = dict(engine.last_stats().requests or {})
+        finally:
+            engine.load_weights(original)       # a pooled engine goes back with the weights it came with
+    assert any(not torch.equal(o.samples[0].logprobs, c.samples[0].logprobs) for o, c in zip(old, cold)), \
+        "the weight push changed no probe's sampled-token logprobs: a stale prefix cache would go unseen"
+    assert_served_fresh(after, cold, after_traces=after_traces, cold_traces=cold_traces, after_label="after the push",
+                        after_state=PUSHED, cold_state=cold_run.state, nothing_computed_since=True)
+    for r, h, c in zip(probes, hit, cold):
+        assert h.num_cached_tokens > 0, f"declared prefix cache never read on the new weights: {r.request_id}"
+        sides = (StatedRun(f"prefix-cache hit on the new weights ({h.num_cached_tokens} cached tokens)", warm_state,
+                           hit_traces.get(r.request_id)),
+                 StatedRun("cold start on the new weights", cold_run.state, cold_traces.get(r.request_id)))
+        assert_same_completion(h, c, lhs=sides[0].label, rhs=sides[1].label, **state_context(*sides))
+
+
 def test_preemption_resume_equals_uninterrupted(engine_factory, engine, proxy):
     if not engine.capabilities().preemption:
         not_applicable("no preemption", feature="preemption")
@@ -138,11 +201,14 @@ def test_preemption_resume_equals_uninterrupted(engine_factory, engine, proxy):
     with engine_factory(EngineSettings(kv_cache_blocks=12)) as small:
         squeezed, run = run_stated(small, batch, batch[0].request_id, label="squeezed")
         stats = small.last_stats()
-    assert stats.preemptions > 0, f"no preemption happened with a 12-block KV cache: {stats}"
-    for r, x, y in zip(batch, squeezed, uninterrupted):
-        sides = (StatedRun(f"with {stats.preemptions} preemptions", run.state, (stats.requests or {}).get(r.request_id)),
-                 StatedRun("uninterrupted", base.state, whole.get(r.request_id)))
-        assert_same_completion(x, y, lhs=sides[0].label, rhs=sides[1].label, **state_context(*sides))
+        assert stats.preemptions > 0, f"no preemption happened with a 12-block KV cache: {stats}"
+        for r, x, y in zip(batch, squeezed, uninterrupted):
+            sides = (StatedRun(f"with {stats.preemptions} preemptions", run.state,
+                               (stats.requests or {}).get(r.request_id)),
+                     StatedRun("uninterrupted", base.state, whole.get(r.request_id)))
+            assert_same_completion(x, y, lhs=sides[0].label, rhs=sides[1].label, **state_context(*sides),
+                                   diagnose=where_runs_part([("squeezed", small), ("uninterrupted", engine)], batch,
+                                                            r, sides))
 
 
 def test_control_stock_decode_differs_from_prefill(engine_factory, proxy):

@@ -14,7 +14,9 @@ from hypothesis import given, strategies as st
 from fixtures.core.comparison import assert_bitwise
 from fixtures.core.contract import EngineSettings, Request, SamplingParams
 from fixtures.core.outcomes import must_fire, not_applicable
-from fixtures.checks.workloads import assert_same_completions, engine_settings, mixed_workload
+from fixtures.diagnose.conventions import diagnoser
+from fixtures.diagnose.engine_rows import COLD, StatedRun, where_runs_part
+from fixtures.checks.workloads import assert_same_completion, assert_same_completions, engine_settings, mixed_workload
 
 pytestmark = pytest.mark.C5
 
@@ -62,13 +64,19 @@ def test_engine_modes(engine_factory, engine, baseline, feature, flag):
         not_applicable(f"the engine does not declare {feature}", feature=feature)
     reqs, _ = baseline
     with engine_factory(EngineSettings(**{flag: False})) as off:
-        want = off.generate(reqs)
+        want, off_traces = off.generate(reqs), dict(off.last_stats().requests or {})
     with engine_factory(EngineSettings(**{flag: True})) as on:
         got = on.generate(reqs)
         stats = on.last_stats()
     if feature == "cuda_graphs":
         assert stats.graph_steps > 0, f"declared CUDA graphs never ran a captured step: {stats}"
-    assert_same_completions(got, want, lhs=f"{feature} on", rhs=f"{feature} off")
+    reopen = [(f"{feature} {word}", lambda v=v: engine_factory(EngineSettings(**{flag: v})))
+              for word, v in (("on", True), ("off", False))]     # one engine open at a time, as above
+    for r, x, y in zip(reqs, got, want):        # a failure names the step and, with rows, the module
+        sides = (StatedRun(f"{feature} on", COLD, (stats.requests or {}).get(r.request_id)),
+                 StatedRun(f"{feature} off", COLD, off_traces.get(r.request_id)))
+        assert_same_completion(x, y, lhs=sides[0].label, rhs=sides[1].label,
+                               diagnose=where_runs_part(reopen, reqs, r, sides))
 
 
 def test_several_samples_per_prompt(engine, proxy):
@@ -97,7 +105,8 @@ def test_requests_finishing_at_different_steps(engine, proxy):
 
 
 @pytest.mark.parametrize("temperature, top_p, top_k", [(0.7, 1.0, 0), (1.0, 0.8, 0), (1.3, 1.0, 20), (0.5, 0.5, 7)])
-def test_raw_logprobs_stay_raw(engine, proxy, temperature, top_p, top_k):
+def test_raw_logprobs_stay_raw(engine, proxy, lazy_trainer, temperature, top_p, top_k):
+    """A mismatch names the convention the reported values follow (fixtures.diagnose.conventions)."""
     caps = engine.capabilities()
     if (top_p < 1 and not caps.top_p) or (top_k and not caps.top_k):
         not_applicable("top-p/top-k not supported", feature="top_p" if top_p < 1 and not caps.top_p else "top_k")
@@ -105,10 +114,13 @@ def test_raw_logprobs_stay_raw(engine, proxy, temperature, top_p, top_k):
                                                              top_p=top_p, top_k=top_k, seed=4))
     (c,) = engine.generate([req])
     s = c.samples[0]
-    (full,) = engine.prompt_logprobs([list(req.prompt_ids) + s.token_ids])
-    assert_bitwise(s.logprobs, full[len(req.prompt_ids) - 1:], what="reported sampled-token logprobs vs raw "
+    seq, first = list(req.prompt_ids) + s.token_ids, len(req.prompt_ids) - 1
+    (full,) = engine.prompt_logprobs([seq])
+    assert_bitwise(s.logprobs, full[first:], what="reported sampled-token logprobs vs raw "
                    "(temperature 1, full vocabulary) prompt logprobs", lhs_name="reported", rhs_name="raw",
-                   sampling=f"temperature={temperature} top_p={top_p} top_k={top_k}")
+                   sampling=f"temperature={temperature} top_p={top_p} top_k={top_k}",
+                   diagnose=lambda d: diagnoser(engine, lazy_trainer(), [seq], [first], [s.logprobs], [req.params],
+                                                prefills=[full[first:]])(d))
     if s.processed_logprobs is not None:   # a labelled, distinct quantity - and really processed
         assert not torch.equal(s.processed_logprobs, s.logprobs), \
             "processed logprobs are labelled separately but equal the raw ones bit for bit"

@@ -15,10 +15,11 @@ import pytest
 from fixtures.core.comparison import BitwiseMismatch
 from fixtures.core.contract import (ComputesAtTensorParallel, HasTensorParallel, Layout, NamesSampler, PlantsULP,
                                     RecordsModuleOutputs, supported_layouts)
+from fixtures.core.full_rows import ReturnsFullVocabLogprobs
 from fixtures.core.outcomes import must_fire, not_applicable, not_available
 from fixtures.diagnose.module_outputs import compare_module_outputs
 from fixtures.checks.controls import stock_trainer
-from fixtures.checks.rollouts import assert_parity, sample_rollouts
+from fixtures.checks.rollouts import assert_full_rows, assert_parity, sample_rollouts
 from fixtures.checks.workloads import PARITY_CPU, parity_workload, random_ids, rollout_requests
 from fixtures.plugin.options import trainer_micro_batch_tokens
 
@@ -108,6 +109,52 @@ def test_greedy_and_low_temperature_rollouts(engine, trainer, proxy, micro_batch
         rs = sample_rollouts(engine, rollout_requests(proxy.config.vocab_size, 3, seed=2, n=1, temperature=temperature))
         assert_parity(engine, trainer, rs, record=record_metric if temperature else None,
                       micro_batch_tokens=micro_batch_tokens)
+
+
+def _full_rows(engine, trainer, rollouts, **kw) -> int:
+    lacking = [who for who, obj in (("engine", engine), ("trainer", trainer))
+               if not isinstance(obj, ReturnsFullVocabLogprobs)]
+    if lacking:
+        not_applicable(f"the {' and the '.join(lacking)} {'is' if len(lacking) == 1 else 'are'} not "
+                       "ReturnsFullVocabLogprobs (no whole-vocabulary rows)", capability=ReturnsFullVocabLogprobs)
+    try:
+        return assert_full_rows(engine, trainer, rollouts, **kw)
+    except NotImplementedError as exc:
+        not_available(exc, "full-vocabulary logprob rows", capability=ReturnsFullVocabLogprobs)
+
+
+def test_full_vocabulary_rows_equal_engine(engine, trainer, rollouts, record_metric):
+    """The whole distribution, not one token: a sampled-token logprob that matches can hide a
+    different distribution (a KL or entropy term over the vocabulary sees it). At seeded positions
+    of every rollout's generated part (2 each at the lane's toy batch, 1 - its last - at rollout
+    scale: a row is the whole vocabulary), the trainer's row equals the engine's bit for bit."""
+    _full_rows(engine, trainer, rollouts, per_rollout=2 if len(rollouts) <= 16 else 1, seed=3, record=record_metric)
+
+
+class _OneEntryOff:
+    """A trainer whose full rows have one entry - of a token that does not follow there - moved
+    one ULP: the full-row check must see it (its sampled-token logprobs are the trainer's own)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def full_logprobs(self, sequences, positions):
+        import torch
+        rows = [r.clone() for r in self.inner.full_logprobs(sequences, positions)]
+        k = next(i for i, ps in enumerate(positions) if ps)
+        v = 1 if sequences[k][positions[k][0] + 1] == 0 else 0
+        rows[k][0, v] = torch.nextafter(rows[k][0, v], torch.tensor(float("-inf")))
+        return rows
+
+
+def test_control_full_rows_see_an_entry_off_the_sampled_token(engine, trainer, toy_rollouts):
+    """Negative control for the full-row check: one entry one ULP off, away from the token that
+    follows (so no sampled-token or prompt logprob could show it), must be reported."""
+    with must_fire("an entry one ULP off in one row went unseen by the full-row check",
+                   tried="the C7 toy rollouts' full rows, one entry of one row moved by one ULP",
+                   catch=(BitwiseMismatch, AssertionError), on_this_hardware=False):
+        _full_rows(engine, _OneEntryOff(trainer) if isinstance(trainer, ReturnsFullVocabLogprobs) else trainer,
+                   toy_rollouts, per_rollout=2, seed=3)
 
 
 def _module_probe(proxy) -> list[int]:

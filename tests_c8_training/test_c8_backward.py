@@ -1,7 +1,11 @@
 """Gate C8 - Backward alignment: every op in the inventory has a backward; gradients are run-to-run
 bitwise deterministic and finite; each op's gradient agrees with a float64 autograd reference
 within a per-op bound derived from the dtype and reduction length (a planted wrong backward must
-exceed it); the optimizer step is deterministic.
+exceed it); the optimizer step is deterministic. The trainer's own backward (custom Functions,
+fused kernels): its parameter gradients against a float64 copy of the module within a bound
+calibrated by a stock run in its dtype (fixtures.checks.grad_model), bitwise gradients on >= 1,000
+tokens with ids repeated many times, and two identical train steps giving identical weights; each
+with a planted custom autograd Function that must be caught.
 
 The bound and its constant are documented in fixtures.checks.grad_checks: |g - g64| <= 2 * n * u * S,
 u = 2^-24, n the reduction length of the backward computation, S the elementwise magnitude.
@@ -189,3 +193,101 @@ def test_planted_backward_exceeds_bound(planted, kernel_mode, record_metric):
 
     run()
     record_metric(f"C8 planted {planted} min ratio", least["ratio"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer module's own backward: parameter gradients vs a float64 copy of the module,
+# determinism on a realistic batch, two identical train steps (fixtures.checks.grad_model)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def reference_grads(trainer, proxy):
+    """float64 gradients of a copy of the trainer's module on C8's seeded batches, and eps: how far
+    a stock run in the trainer's dtype lands from them (the calibration of the model-level bound)."""
+    return G.reference_grads(trainer.module(), G.seeded_batches(proxy.config.vocab_size))
+
+
+@pytest.fixture(scope="session")
+def repeated_batch(proxy):
+    """>= 1,000 tokens from a few dozen ids: each id repeats tens of times."""
+    return G.repeated_ids_batch(proxy.config.vocab_size)
+
+
+def test_trainer_grads_within_model_bound(trainer, reference_grads, trainer_loss, trainer_mode, record_metric):
+    """The trainer's own forward and backward (custom Functions, fused kernels and all): every
+    parameter's gradient within C_MODEL * max(eps, FLOOR_U u) of its scale from the float64 copy."""
+    rep = G.check_model_grads(trainer.module(), reference_grads, trainer_loss, kernel_mode=trainer_mode)
+    record_metric("C8 model grad eps of the stock run (u)", reference_grads.eps_stock / reference_grads.u)
+    record_metric("C8 model grad max ratio", rep.max_ratio)
+    assert rep.ok, rep.message()
+
+
+def test_planted_custom_backward_exceeds_model_bound(trainer, reference_grads, trainer_loss, trainer_mode,
+                                                     record_metric):
+    """Negative control: a custom autograd Function scaling one projection's weight gradient by
+    (1 + 2^14 u) - 2^-10 in float32 - must exceed the model-level bound at that parameter."""
+    module = trainer.module()
+    with G.planted_in_trainer("projection_grad_scaled", module, u=reference_grads.u) as plant:
+        rep = G.check_model_grads(module, reference_grads, trainer_loss, kernel_mode=trainer_mode,
+                                  planted=f"{plant.plant.name} at {plant.parameter}")
+    assert plant.engaged, f"the planted Function never ran: the trainer did not pass {plant.parameter} to torch"
+    record_metric("C8 planted projection ratio", rep.ratios.get(plant.parameter, 0.0))
+    assert plant.parameter in rep.violations, (
+        f"planted wrong custom backward ({plant.plant.doc}) stayed within the model-level bound: it is too "
+        f"loose to see it\n{rep.message()}")
+
+
+def test_grads_deterministic_on_repeated_ids(trainer, repeated_batch, trainer_loss, trainer_mode, record_metric):
+    """Run-to-run bitwise gradients on >= 1,000 tokens with every id repeated many times (where a
+    nondeterministic scatter-add shows; fixtures.checks.grad_model says why <= 2 repeats cannot)."""
+    tokens, repeats = sum(len(s) for s in repeated_batch), G.max_repeats(repeated_batch)
+    assert tokens >= 1000 and repeats >= 16, f"the batch is not realistic: {tokens} tokens, max {repeats} repeats"
+    record_metric("C8 determinism batch tokens", tokens)
+    G.grads_deterministic(trainer.module(), repeated_batch, loss_fn=trainer_loss, kernel_mode=trainer_mode)
+
+
+@pytest.mark.parametrize("batch_kind", ["repeated_ids", "few_repeats"])
+def test_planted_unordered_scatter_add(trainer, proxy, repeated_batch, trainer_loss, trainer_mode, batch_kind):
+    """Negative control: an embedding backward whose accumulation order of duplicate ids changes
+    every backward must break determinism on the repeated-ids batch - and cannot on a batch with
+    <= 2 of each id (two terms onto zero sum exactly in any order), the reason the batch is large."""
+    batch = repeated_batch if batch_kind == "repeated_ids" else G.few_repeats_batch(proxy.config.vocab_size)
+    module = trainer.module()
+    caught = None
+    with G.planted_in_trainer("embedding_backward_unordered", module) as plant:
+        try:
+            G.grads_deterministic(module, batch, loss_fn=trainer_loss, kernel_mode=trainer_mode)
+        except AssertionError as exc:
+            caught = exc
+    assert plant.engaged, f"the planted Function never ran: the trainer did not pass {plant.parameter} to torch"
+    if batch_kind == "repeated_ids":
+        assert caught is not None, ("planted nondeterministic scatter-add: two backwards on "
+                                    f"{sum(map(len, batch))} tokens (max {G.max_repeats(batch)} repeats of an id) "
+                                    "gave the same bits - the determinism check cannot see it")
+    else:
+        assert G.max_repeats(batch) <= 2
+        assert caught is None, f"a batch with <= 2 repeats of an id saw the unordered sum (it cannot): {caught}"
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["clean", "planted_unordered_scatter_add"])
+def test_train_step_twice_same_weights(trainer, proxy, planted):
+    """Two copies of the trainer (weights, optimizer state) take one identical train_step: the same
+    weight bits. The batch is 256 tokens of 8 ids (32 repeats each: enough for the control, a
+    quarter of the determinism batch's cost). Negative control: with the unordered scatter-add
+    planted in each copy the weights must differ."""
+    import copy
+    from fixtures.core.contract import TrainsRL
+    from fixtures.core.outcomes import not_applicable
+    if not isinstance(trainer, TrainsRL):
+        not_applicable("the trainer is not TrainsRL: it takes no train_step", capability=TrainsRL)
+    try:
+        copy.deepcopy(trainer)
+    except Exception as exc:        # noqa: BLE001 - the reason is the n/a's
+        not_applicable(f"the trainer cannot be deep-copied, so two steps from one state cannot be taken: {exc!r}")
+    batch = G.repeated_ids_batch(proxy.config.vocab_size, tokens=256, distinct=8)
+    kw = dict(prompt_lens=[4] * len(batch), advantages=[(-1.0) ** i * (1 + i) / len(batch) for i in range(len(batch))])
+    if not planted:
+        G.train_steps_identical(trainer, batch, **kw)
+        return
+    with pytest.raises(AssertionError, match="after one train_step"):
+        G.train_steps_identical(trainer, batch, **kw,
+                                around=lambda r: G.planted_in_trainer("embedding_backward_unordered", r.module()))

@@ -61,6 +61,35 @@ def test_hooks_record_first_full_call_in_completion_order():
     assert not any(m._forward_hooks for m in net.modules()), "hooks must be removed"
 
 
+def test_attention_layers_record_their_inputs_before_their_output():
+    """A vLLM `Attention` layer's (q, k, v) are points of their own, before its output: vLLM shares
+    one rotary module across layers, so without them a later layer's rotary difference would be
+    named as an attention difference (measured on the H200: FA3 given the engine's q/K/V gave the
+    engine's bits in the trainer's call)."""
+    class Attention(torch.nn.Module):         # the class name vLLM's attention layer has
+        def forward(self, q, k, v):
+            return q + k * v
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.other = Attention(), torch.nn.Identity()
+
+        def forward(self, x):
+            return self.attn(x, x * 2, self.other(x))
+
+    net, x = Layer(), torch.randn(3, 4)
+    rec = MO.record_module_outputs(net, lambda: net(x), rows=3)
+    names = [k for k, _ in rec]
+    assert names == ["other", "attn:in", "attn:in#1", "attn:in#2", "attn"], names
+    assert torch.equal(dict(rec)["attn:in#1"], x * 2)
+    trainer_like = {k: t for k, t in rec}
+    trainer_like["attn:in#1"] = trainer_like["attn:in#1"].clone().view(torch.int32).add(1).view(torch.float32)
+    cmp = MO.compare_module_outputs(rec, trainer_like)
+    assert not cmp.equal and cmp.describe().split("first diverging module output: ")[1].startswith("attn:in#1"), \
+        cmp.describe()
+
+
 def test_tuple_outputs_are_split():
     class Pair(torch.nn.Module):
         def forward(self, x):
@@ -108,7 +137,8 @@ def test_trainer_records_every_step_under_vllm_names(which, qwen3_dir, moe_dir):
     n_layers = trainer.model.config.num_hidden_layers
     expected = ["model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.self_attn.qkv_proj",
                 "model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.rotary_emb",
-                "model.layers.0.self_attn.rotary_emb#1", "model.layers.0.self_attn.attn",
+                "model.layers.0.self_attn.rotary_emb#1", "model.layers.0.self_attn.attn:in",
+                "model.layers.0.self_attn.attn:in#1", "model.layers.0.self_attn.attn:in#2", "model.layers.0.self_attn.attn",
                 "model.layers.0.self_attn.o_proj", "model.layers.0.post_attention_layernorm#1",
                 f"model.layers.{n_layers - 1}.input_layernorm#1", "model.norm", "model", "logits_processor"]
     expected += (["model.layers.0.mlp.gate", "model.layers.0.mlp.experts"] if which == "moe"

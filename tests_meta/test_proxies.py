@@ -316,6 +316,46 @@ def test_op_kinds_twin_follows_the_proxy_dtype(tmp_path):
 
 
 
+def test_op_kinds_leave_a_custom_backward_to_c8(tmp_path):
+    """C1 names a custom autograd Function in the trainer's module as a custom backward (judged by
+    C8) instead of a proxy-vs-real difference; a forward op the real model lacks still fails C1
+    (the control), with or without a custom Function in the graph."""
+    import types
+    import torch.nn.functional as F
+    from fixtures.checks import op_kinds
+
+    class EinsumLinear(torch.autograd.Function):      # a correct custom backward, other aten ops
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return F.linear(x, w)
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return torch.einsum("...o,oi->...i", g, w), torch.einsum("...o,...i->oi", g, x)
+
+    spec = P.build_proxy("qwen3", "tiny", tmp_path / "p", seed=0)
+    vocab = spec.config.vocab_size
+
+    def kinds(patch):
+        model = P.load_model(spec.path)
+        proj = model.model.layers[0].self_attn.q_proj
+        proj.forward = types.MethodType(patch, proj)
+        return model, op_kinds.op_kinds(model, vocab_size=vocab)
+    stock = op_kinds.op_kinds(P.load_model(spec.path), vocab_size=vocab)
+    model, custom = kinds(lambda self, x: EinsumLinear.apply(x, self.weight))
+    customs = op_kinds.custom_backwards(model, vocab_size=vocab)
+    explained, unexplained = op_kinds.split_difference(custom, stock, customs)
+    assert customs == ["EinsumLinearBackward"] and explained and not unexplained
+    assert "custom backward: judged by C8" in op_kinds.describe_difference(custom, stock, customs=customs)
+    for patch in (lambda self, x: F.linear(x * 1.0, self.weight),
+                  lambda self, x: EinsumLinear.apply(x * 1.0, self.weight)):
+        model, changed = kinds(patch)
+        _, unexplained = op_kinds.split_difference(changed, stock, op_kinds.custom_backwards(model, vocab_size=vocab))
+        assert any(k[0] != "backward" and k[2] == "aten.mul" for k in unexplained), unexplained
+
+
 def test_engine_dummy_proxy_is_config_only(tmp_path):
     """--proxy-weights engine-dummy: config.json and the marker, no weight files; vLLM is told to
     draw its own weights; every loader that needs files says n/a instead of failing deep inside."""
@@ -329,3 +369,23 @@ def test_engine_dummy_proxy_is_config_only(tmp_path):
         P.load_model(spec.path)
     real = P.build_proxy("qwen3", "tiny", tmp_path / "real", seed=0)
     assert not P.is_engine_dummy(real.path) and "load_format" not in vset.llm_kwargs(real.path, EngineSettings())
+
+
+BAMBA = {"architectures": ["BambaForCausalLM"], "model_type": "bamba", "hidden_size": 4096, "num_hidden_layers": 32,
+         "attn_layer_indices": [9, 18, 27], "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128,
+         "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+         "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("size", ["tiny", "shallow"])
+def test_a_bamba_config_reduces_keeping_its_attention_layer(tmp_path, size):
+    """Bamba lays its layers out by an index list and ties Mamba heads x head dim to expand x
+    hidden: the cut renumbers the list (else the kept attention layer turns Mamba) and the narrowing
+    keeps the tie (else transformers refuses the config)."""
+    (tmp_path / "config.json").write_text(json.dumps(BAMBA))
+    real = P.source_config(tmp_path)
+    reduced = P.proxy_config(real, size)
+    assert sorted(set(P.layer_kinds(reduced))) == sorted(set(P.layer_kinds(real))) == ["attention+mlp", "mamba+mlp"]
+    if size == "tiny":
+        assert reduced.mamba_n_heads * reduced.mamba_d_head == reduced.mamba_expand * reduced.hidden_size
