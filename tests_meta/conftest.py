@@ -33,3 +33,20 @@ def write_suite(pytester, monkeypatch):
             p.write_text(text)
         return pytester
     return write
+
+
+@pytest.fixture
+def one_error_line():
+    """`check(result, *needles)`: the pytester run ended as a usage error (exit status 4) with
+    exactly one `ERROR:` line on stderr, no traceback and no INTERNALERROR, holding every needle;
+    returns that line."""
+    def check(res, *needles: str) -> str:
+        out, err = res.stdout.str(), res.stderr.str()
+        assert res.ret == pytest.ExitCode.USAGE_ERROR, f"exit {res.ret}\n{out}\n{err}"
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("ERROR: "), err
+        assert "Traceback" not in out + err and "INTERNALERROR" not in out + err
+        for needle in needles:
+            assert needle in lines[0], lines[0]
+        return lines[0]
+    return check

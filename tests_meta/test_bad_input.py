@@ -52,18 +52,6 @@ def model_dir(where: Path, config: dict | None = None, **files: bytes) -> Path:
     return where
 
 
-def one_line(res, *needles: str) -> str:
-    """The run ended with exit status 4 and exactly one line on stderr, holding every needle."""
-    out, err = res.stdout.str(), res.stderr.str()
-    assert res.ret == USAGE, f"exit {res.ret}\n{out}\n{err}"
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("ERROR: "), err
-    assert "Traceback" not in out + err and "INTERNALERROR" not in out + err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
 def _safetensors(tmp_path) -> bytes:
     save_file({"w": torch.zeros(64)}, str(tmp_path / "w.safetensors"))
     return (tmp_path / "w.safetensors").read_bytes()
@@ -73,13 +61,13 @@ def _safetensors(tmp_path) -> bytes:
 # 1. --hypothesis-profile / HYPOTHESIS_PROFILE: checked before anything is made
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("how", ["option", "environment"])
-def test_unknown_hypothesis_profile(project, tmp_path, monkeypatch, how):
+def test_unknown_hypothesis_profile(project, tmp_path, monkeypatch, how, one_error_line):
     rep = tmp_path / "rep"
     args = ["--hypothesis-profile", "nope"] if how == "option" else []
     if how == "environment":
         monkeypatch.setenv("HYPOTHESIS_PROFILE", "nope")
     res = project.runpytest_inprocess(*args, f"--report={rep}")
-    line = one_line(res, "nope", "no such hypothesis profile", "ci, default, dev", "nightly")
+    line = one_error_line(res, "nope", "no such hypothesis profile", "ci, default, dev", "nightly")
     assert ("HYPOTHESIS_PROFILE=nope" in line) == (how == "environment")
     assert not rep.exists(), "a refused run left its report folder behind"
 
@@ -89,15 +77,15 @@ def test_unknown_hypothesis_profile(project, tmp_path, monkeypatch, how):
     (["--upto", "C99"], "unknown gate 'C99'"),
     (["--model=no_such_recipe"], "no such directory"),
 ])
-def test_a_refused_run_leaves_no_report_folder(project, tmp_path, args, needle):
+def test_a_refused_run_leaves_no_report_folder(project, tmp_path, args, needle, one_error_line):
     rep = tmp_path / "rep"
-    one_line(project.runpytest_inprocess(*args, f"--report={rep}"), needle)
+    one_error_line(project.runpytest_inprocess(*args, f"--report={rep}"), needle)
     assert not rep.exists()
 
 
-def test_report_path_that_is_a_file(project, tmp_path):
+def test_report_path_that_is_a_file(project, tmp_path, one_error_line):
     (tmp_path / "afile").write_text("x")
-    one_line(project.runpytest_inprocess(f"--report={tmp_path / 'afile'}"), "exists and is not a directory")
+    one_error_line(project.runpytest_inprocess(f"--report={tmp_path / 'afile'}"), "exists and is not a directory")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,14 +128,14 @@ def test_xdist_workers_get_the_equals_spelling(project, tmp_path):
 
 
 @pytest.mark.parametrize("option", ["--model", "--xfails", "--report"])
-def test_a_separate_existing_path_outside_the_project_is_refused_with_the_equals_spelling(project, tmp_path, option):
+def test_a_separate_existing_path_outside_the_project_is_refused_with_the_equals_spelling(project, tmp_path, option, one_error_line):
     """pytest roots the run at the separate value before any plugin is loaded; the pytest11 entry
     point (here loaded with -p, as an entry point is) says how to write it."""
     value = {"--model": model_dir(tmp_path / "mine"), "--xfails": tmp_path / "known.txt", "--report": tmp_path}[option]
     if option == "--xfails":
         value.write_text("x  # reason\n")
     res = project.runpytest_subprocess("-p", "fixtures.plugin.path_options", option, str(value), "--co")
-    one_line(res, f"{option} {value}: pytest read the separate value as a test path", f"write {option}={value}")
+    one_error_line(res, f"{option} {value}: pytest read the separate value as a test path", f"write {option}={value}")
 
 
 def test_the_real_command_line_with_separate_values(tmp_path):
@@ -178,11 +166,11 @@ def test_the_guard_is_a_pytest11_entry_point():
 # ---------------------------------------------------------------------------------------------
 # 3. a config.json without a field the proxy is built from
 # ---------------------------------------------------------------------------------------------
-def test_config_without_a_width_field(project, tmp_path):
+def test_config_without_a_width_field(project, tmp_path, one_error_line):
     cfg = {k: v for k, v in P.RECIPES["qwen3"].items() if k != "hidden_size"}
     d = model_dir(tmp_path / "nohidden", cfg)
     rep = tmp_path / "rep"
-    one_line(project.runpytest_inprocess(f"--model={d}", f"--report={rep}", "--co"),
+    one_error_line(project.runpytest_inprocess(f"--model={d}", f"--report={rep}", "--co"),
              f"{d / 'config.json'} has no 'hidden_size'", "hidden_size=4096")
     assert not rep.exists()
 
@@ -217,7 +205,7 @@ def test_required_fields_only_where_the_family_uses_them(tmp_path):
 # 4. a checkpoint in the model dir: tested as it is by default (--proxy checkpoint), unused with a
 #    proxy size (the header says which), refused when corrupt
 # ---------------------------------------------------------------------------------------------
-def test_checkpoint_in_the_model_dir(project, tmp_path):
+def test_checkpoint_in_the_model_dir(project, tmp_path, one_error_line):
     blob = _safetensors(tmp_path)
     good = model_dir(tmp_path / "good", model__safetensors=blob)
     res = project.runpytest_inprocess(f"--model={good}", "--co")
@@ -227,9 +215,9 @@ def test_checkpoint_in_the_model_dir(project, tmp_path):
     res = project.runpytest_inprocess(f"--model={good}", "--proxy", "tiny", "--co")
     assert (f"conformance model good: {good / 'config.json'} only; its model.safetensors is not used; "
             "weights: seeded proxy (seed 0)") in res.stdout.str()
-    one_line(project.runpytest_inprocess("--model=llama", "--proxy", "checkpoint", "--co"),
+    one_error_line(project.runpytest_inprocess("--model=llama", "--proxy", "checkpoint", "--co"),
              "--proxy checkpoint loads each --model directory's own weights: llama is a built-in recipe")
-    one_line(project.runpytest_inprocess(f"--model={good}", "--proxy", "checkpoint", "--proxy-weights",
+    one_error_line(project.runpytest_inprocess(f"--model={good}", "--proxy", "checkpoint", "--proxy-weights",
                                          "engine-dummy", "--co"), "--proxy checkpoint and --proxy-weights engine-dummy")
     rep = tmp_path / "rep"
     for name, files, needle in (
@@ -239,7 +227,7 @@ def test_checkpoint_in_the_model_dir(project, tmp_path):
                 {"weight_map": {"w": "model-00001-of-00002.safetensors"}}).encode()},
              "lists model-00001-of-00002.safetensors")):
         d = model_dir(tmp_path / name, **files)
-        one_line(project.runpytest_inprocess(f"--model={d}", f"--report={rep}", "--co"), f"--model {d}: ", needle)
+        one_error_line(project.runpytest_inprocess(f"--model={d}", f"--report={rep}", "--co"), f"--model {d}: ", needle)
         assert not rep.exists()
 
 
@@ -273,13 +261,13 @@ def test_selftest_accepts_recipes_and_config_only_dirs(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # 6. model_type unknown to transformers vs known without a recipe
 # ---------------------------------------------------------------------------------------------
-def test_unknown_model_type_vs_no_recipe(project, tmp_path):
+def test_unknown_model_type_vs_no_recipe(project, tmp_path, one_error_line):
     import transformers
     unknown = model_dir(tmp_path / "unknown", {"model_type": "not_a_real_arch"})
-    one_line(project.runpytest_inprocess(f"--model={unknown}", "--co"),
+    one_error_line(project.runpytest_inprocess(f"--model={unknown}", "--co"),
              f"transformers {transformers.__version__} does not know model_type 'not_a_real_arch'",
              "upgrade transformers or fix config.json")
     bert = model_dir(tmp_path / "bert", {"model_type": "bert"})
-    line = one_line(project.runpytest_inprocess(f"--model={bert}", "--co"), "model_type 'bert' has no proxy recipe",
+    line = one_error_line(project.runpytest_inprocess(f"--model={bert}", "--co"), "model_type 'bert' has no proxy recipe",
                     "docs/porting-guide.md")
     assert all(name in line for name in P.RECIPES)

@@ -20,7 +20,6 @@ from fixtures.plugin.options import VLLM_KNOBS
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[1]
-USAGE = pytest.ExitCode.USAGE_ERROR
 
 # The inner suite's one check writes what it saw: the knobs' environment and its repro command.
 PROBE = """
@@ -61,14 +60,6 @@ def inner(pytester, monkeypatch, tmp_path):
     environment._session.update(saved_env)
     if saved_profile:
         settings.load_profile(saved_profile)
-
-
-def _one_error_line(res) -> str:
-    err = res.stderr.str()
-    assert res.ret == USAGE, f"exit {res.ret}\n{res.stdout.str()}\n{err}"
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("ERROR: ") and "Traceback" not in err, err
-    return lines[0]
 
 
 def _plugins_of(path: Path) -> list[str]:
@@ -150,11 +141,11 @@ def test_the_same_value_both_ways_is_accepted(inner, monkeypatch):
     (["--vllm-prespawn", "yes"], {}, ["--vllm-prespawn=yes: expected 0 or 1"]),
     ([], {"CONFORMANCE_VLLM_CALL_TIMEOUT": "soon"}, ["CONFORMANCE_VLLM_CALL_TIMEOUT=soon: expected a number of seconds"]),
 ])
-def test_disagreeing_or_bad_values_are_one_usage_error(inner, monkeypatch, option, env, needles):
+def test_disagreeing_or_bad_values_are_one_usage_error(inner, monkeypatch, option, env, needles, one_error_line):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     res, seen = inner(*option)
-    line = _one_error_line(res)
+    line = one_error_line(res)
     assert seen is None and all(n in line for n in needles), line
     assert {k.env: os.environ.get(k.env) for k in VLLM_KNOBS if k.env in os.environ} == env, \
         "nothing is exported when a knob is refused"

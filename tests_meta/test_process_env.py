@@ -21,7 +21,6 @@ from fixtures.core import environment
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[1]
-USAGE = pytest.ExitCode.USAGE_ERROR
 A, B = "CONFORMANCE_SELFTEST_PROCESS_A", "CONFORMANCE_SELFTEST_PROCESS_B"
 NAMES = (A, B, "VLLM_BATCH_INVARIANT")
 FAKE = "fake_process_impl:make"
@@ -95,14 +94,6 @@ def inner(write_suite, monkeypatch, tmp_path):
         settings.load_profile(saved_profile)
 
 
-def _one_error_line(res) -> str:
-    err = res.stderr.str()
-    assert res.ret == USAGE, f"exit {res.ret}\n{res.stdout.str()}\n{err}"
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("ERROR: ") and "Traceback" not in err, err
-    return lines[0]
-
-
 def _left_over() -> dict:
     return {n: os.environ[n] for n in NAMES if n in os.environ}
 
@@ -167,11 +158,11 @@ def test_workers_set_it_too(inner):
      ["VLLM_BATCH_INVARIANT=0 is exported, but --impl vllm-engine-kernels needs VLLM_BATCH_INVARIANT=1",
       "unset VLLM_BATCH_INVARIANT (the suite sets it itself)"]),
 ])
-def test_a_contradicting_export_is_one_usage_error(inner, monkeypatch, impl, exported, needles):
+def test_a_contradicting_export_is_one_usage_error(inner, monkeypatch, impl, exported, needles, one_error_line):
     for name, value in exported.items():
         monkeypatch.setenv(name, value)
     res, seen = inner("--impl", impl)
-    line = _one_error_line(res)
+    line = one_error_line(res)
     assert all(n in line for n in needles), line
     assert seen == {} and _left_over() == exported, "nothing is set when the export is refused"
 
@@ -185,11 +176,11 @@ def test_an_equal_export_is_kept_and_an_empty_one_is_unset(inner, monkeypatch):
     assert _left_over() == {A: "1", B: ""}, "put back as the caller had them"
 
 
-def test_put_back_after_a_later_usage_error(inner):
+def test_put_back_after_a_later_usage_error(inner, one_error_line):
     """The variables are set before the rest of the command line is checked (a bad --model):
     unconfigure still puts them back."""
     res, _ = inner("--impl", FAKE, "--model", "no-such-recipe")
-    assert "--model no-such-recipe" in _one_error_line(res)
+    assert "--model no-such-recipe" in one_error_line(res)
     assert _left_over() == {}
 
 
@@ -197,9 +188,9 @@ def test_put_back_after_a_later_usage_error(inner):
     ({A: 1}, f"--impl {FAKE}: process_environment() must map variable names to strings, got '{A}': 1"),
     ("not a mapping", f"--impl {FAKE}: process_environment() raised ValueError"),
 ])
-def test_a_bad_declaration_is_one_usage_error(inner, declares, needle):
+def test_a_bad_declaration_is_one_usage_error(inner, declares, needle, one_error_line):
     res, _ = inner("--impl", FAKE, declares=declares)
-    assert needle in _one_error_line(res)
+    assert needle in one_error_line(res)
     assert _left_over() == {}
 
 
