@@ -16,6 +16,7 @@ from fixtures.core.contract import EngineStats, Layout
 from fixtures.checks.rollouts import assert_parity, localise_at_shapes, sample_rollouts
 from fixtures.checks.workloads import PARITY_CPU, ParityWorkload, pack_micro_batches, parity_workload
 from fixtures.faults.catalog import FAULTS
+from fixtures.faults.variants import fused_norm_rerounds_from
 from fixtures.models.proxies import build_proxy
 from fixtures.plugin.options import trainer_micro_batch_tokens
 
@@ -96,25 +97,15 @@ def test_norm_switching_at_256_rows_is_caught_at_scale_and_named(pair):
 # ---------------------------------------------------------------------------------------------
 # module by module (vLLM + the engine-kernel trainer), with a stand-in engine
 # ---------------------------------------------------------------------------------------------
-class _NormReroundsFrom256Rows:
-    """The plain-torch engine-layout ops, except the fused add + RMSNorm moves every 41st row one
-    ULP up when a call has >= 256 rows: a launch switch at 256 tokens."""
+def _reference_ops(config):
+    from fixtures.vllm.trainer_ops import ReferenceOps
+    return ReferenceOps(config)
 
-    def __init__(self, config):
-        from fixtures.vllm.trainer_ops import ReferenceOps
-        self.base = ReferenceOps(config)
-        self.name = "reference-ops+norm-reround-from-256"
 
-    def __getattr__(self, attr):
-        return getattr(self.base, attr)
-
-    def fused_add_rms_norm(self, x, residual, w, eps):
-        out, res = self.base.fused_add_rms_norm(x, residual, w, eps)
-        if x.shape[0] >= 256:
-            out = out.clone()
-            col = out[5::41, 0]
-            out[5::41, 0] = torch.nextafter(col, torch.full_like(col, float("inf")))
-        return out, res
+# the plain-torch engine-layout ops, except the fused add + RMSNorm moves every 41st row one ULP
+# up when a call has >= 256 rows: a launch switch at 256 tokens
+_NormReroundsFrom256Rows = fused_norm_rerounds_from(_reference_ops, start=5, step=41,
+                                                    name="reference-ops+norm-reround-from-256")
 
 
 class _EngineOfTrainer:

@@ -14,6 +14,7 @@ from fixtures.models import proxies as P
 from fixtures.vllm import trainer as VT
 from fixtures.vllm import trainer_ops as VO
 from fixtures.core.contract import Layout
+from fixtures.faults.variants import fused_norm_rerounds_from
 from fixtures.reference.hf_trainer import HFTrainer, token_logprobs
 
 SEQS = [[5, 17, 3, 99, 250, 7, 8], [1, 2], [400, 12, 12, 12, 60]]
@@ -260,23 +261,9 @@ class _RowInvariantOps(VO.ReferenceOps):
         return self.rms_norm(r, w, eps), r
 
 
-class _NormSwitchAt256:
-    """Row-invariant ops, except the fused add + RMSNorm re-rounds one row in 37 from 256 rows up:
-    what vLLM 0.26's CUDA kernel was measured to do (a launch switch at 256 tokens)."""
-    name = "reference-ops+norm-switch-at-256"
-
-    def __init__(self, config):
-        self.base = _RowInvariantOps(config)
-
-    def __getattr__(self, attr):
-        return getattr(self.base, attr)
-
-    def fused_add_rms_norm(self, x, residual, w, eps):
-        out, res = self.base.fused_add_rms_norm(x, residual, w, eps)
-        if x.shape[0] >= 256:
-            out = out.clone()
-            out[11::37, 0] = torch.nextafter(out[11::37, 0], torch.full_like(out[11::37, 0], float("inf")))
-        return out, res
+# row-invariant ops, except the fused add + RMSNorm re-rounds one row in 37 from 256 rows up: what
+# vLLM 0.26's CUDA kernel was measured to do (a launch switch at 256 tokens)
+_NormSwitchAt256 = fused_norm_rerounds_from(_RowInvariantOps, start=11, step=37, name="reference-ops+norm-switch-at-256")
 
 
 def test_module_outputs_in_a_batch_name_a_token_count_switch(proxy_dir):
