@@ -18,6 +18,7 @@ from fixtures.core.contract import EngineSettings
 pytestmark = pytest.mark.C10
 
 
+@pytest.mark.slow
 def test_throughput_ratio(engine_factory, proxy, impl, pytestconfig, record_metric):
     workload = rollout_workload(pytestconfig.getoption("--rollout-workload"), impl.device())
     vocab = proxy.config.vocab_size

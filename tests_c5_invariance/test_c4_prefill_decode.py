@@ -71,6 +71,7 @@ def test_decode_equals_prefill(engine, proxy, lazy_trainer, data):
                                  trainer=lazy_trainer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", CHUNK_BUDGETS)
 @engine_settings(divisor=16, floor=1)
 @given(extra=st.integers(1, 60), seed=st.integers(0, 99))

@@ -113,6 +113,35 @@ def test_verdicts_computed_once_by_the_xdist_controller(suite):
     assert doc["metrics"] and doc["metrics"][0]["value"] == 42
 
 
+ORDER_SUITE = {
+    "tests_c0_inventory/test_order.py": """
+import pytest
+def _log(name):
+    with open("order.txt", "a") as f: f.write(name + "\\n")
+@pytest.mark.C0
+def test_first_gate(): _log("c0")
+@pytest.mark.C10
+@pytest.mark.slow
+def test_rollout_scale(): _log("c10-slow")
+@pytest.mark.C10
+def test_quick(): _log("c10")
+""",
+}
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["one-process", "xdist"])
+def test_slow_checks_run_first_only_under_xdist(write_suite, xdist):
+    """xdist hands checks out in collection order: a long check of the last gate would run alone
+    at the end, so under xdist the `slow` ones go first; one process keeps gate order."""
+    if xdist:
+        pytest.importorskip("xdist")
+    pt = write_suite(ORDER_SUITE)
+    res = run(pt, *(["-n", "1"] if xdist else []), "--upto", "C10")
+    assert res.ret in (0, 1), res.stdout.str()
+    order = (pt.path / "order.txt").read_text().split()
+    assert order == (["c10-slow", "c0", "c10"] if xdist else ["c0", "c10-slow", "c10"]), order
+
+
 def test_a_check_without_gate_marker_is_a_collection_error(suite):
     pt = suite(extra={"tests_c8_training/test_c.py": "def test_unmarked(): pass\n"})
     res = run(pt)
