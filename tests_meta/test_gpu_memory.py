@@ -305,3 +305,33 @@ def test_a_trainer_makes_room_first_and_retries_once_after_an_oom(model_dir, mon
     finally:
         impl.pool.close_all()
         (model_dir / "model.safetensors").unlink()
+
+
+FAULT_SUITE = """
+import pytest
+from fixtures.core import gpu_memory
+
+@pytest.mark.C7
+def test_launches_the_faulting_kernel(monkeypatch):
+    # the fault surfaces at the next CUDA call: here, the plugin's wait after the check
+    gpu_memory.sticky_cuda_error = lambda: "AcceleratorError: CUDA error: an illegal memory access was encountered"
+
+@pytest.mark.C7
+def test_next_check():
+    pass
+"""
+
+
+def test_a_cuda_fault_is_pinned_on_the_check_that_launched_it(write_suite):
+    """A kernel fault is reported when CUDA is next called, and poisons the context: the plugin waits
+    for each check's CUDA work, so the fault is that check's teardown error, and the checks after it
+    in the process are "not run" naming it - not failures of their own (measured on the H200: 15
+    checks failed with the error of one)."""
+    pt = write_suite({"tests_c8_training/test_fault.py": FAULT_SUITE})
+    res = pt.runpytest_subprocess("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider",
+                                  "--report=rep")       # a subprocess: the check replaces a module function
+    out = res.stdout.str()
+    assert "ERROR at teardown of test_launches_the_faulting_kernel" in out, out
+    assert "an illegal memory access was encountered - raised by CUDA work this check" in out, out
+    assert "not run: this process's CUDA context is unusable since " \
+           "tests_c8_training/test_fault.py::test_launches_the_faulting_kernel" in out, out
