@@ -91,6 +91,27 @@ def test_localisation_is_called_only_on_mismatch():
         assert_bitwise(torch.ones(2), torch.zeros(2), localise=broken)
 
 
+def test_a_cuda_fault_in_a_diagnosis_is_an_error_not_a_diagnosis_note():
+    """A diagnosis that fails says so in the message - except a CUDA fault, which poisons the
+    process: it is raised as this check's error, with the difference it was diagnosing."""
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])
+
+    def broken(_):
+        raise RuntimeError("oops")
+    with pytest.raises(BitwiseMismatch, match=r"diagnosis failed: RuntimeError: oops"):
+        assert_bitwise(a, b, diagnose=broken)
+
+    class AcceleratorError(RuntimeError):      # torch's name for a device fault (torch >= 2.8)
+        pass
+
+    def faulting(*_):
+        raise AcceleratorError("CUDA error: an illegal memory access was encountered")
+    for kw in ({"diagnose": faulting}, {"localise": faulting}):
+        with pytest.raises(RuntimeError, match=r"hit a CUDA fault \(AcceleratorError: CUDA error: an illegal memory") as e:
+            assert_bitwise(a, b, **kw)
+        assert not isinstance(e.value, BitwiseMismatch) and "first difference at sequence 0, token 1" in str(e.value)
+
+
 def test_parity_metrics_exact_and_not():
     e = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
     m = parity_metrics(e, [t.clone() for t in e])

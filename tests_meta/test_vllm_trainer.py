@@ -282,3 +282,18 @@ def test_module_outputs_in_a_batch_name_a_token_count_switch(proxy_dir):
         inside = trainer.module_outputs_in_batch(seqs, 2)
         result = compare_module_outputs(alone, inside, names=("alone", "in the batch"))
         assert result.compared and result.first == expect, result.describe()
+
+
+def test_v2_whole_rows_hand_the_kernel_a_dense_id_array():
+    """vLLM 0.26's V2 `compute_token_logprobs` kernel reads the ids of row r at r * k of their storage
+    (it assumes a dense [rows, k] array): whole-vocabulary rows must pass materialised ids, not a
+    stride-0 expand of one arange - which read past the storage (the illegal memory access of a C7
+    control's convention diagnosis on the H200). The fake kernel here holds vLLM's precondition."""
+    def dense_only_kernel(logits, ids):
+        assert ids.is_contiguous() and ids.untyped_storage().nbytes() >= ids.numel() * ids.element_size(), \
+            f"ids {tuple(ids.shape)} strides {ids.stride()}: the kernel would read past their storage"
+        return torch.log_softmax(logits.float(), -1).gather(-1, ids)
+    ops = object.__new__(VO.VLLMOps)
+    ops.sampler, ops._logprobs = "v2", dense_only_kernel
+    logits = torch.randn(5, 11)
+    assert torch.equal(ops.vocab_logprobs(logits), torch.log_softmax(logits.float(), -1))
