@@ -86,8 +86,8 @@ def test_op_kinds_equal_real_model(trainer, proxy, real_config, request):
     module = trainer.module()
     attn = getattr(getattr(module, "config", None), "_attn_implementation", None) or "eager"
     mine = op_kinds.op_kinds(module, vocab_size=proxy.config.vocab_size)
-    dtype = next(module.parameters()).dtype
-    real = op_kinds.real_op_kinds(real_config, attn_implementation=attn, dtype=dtype)
+    first = next(module.parameters())
+    real = op_kinds.real_op_kinds(real_config, attn_implementation=attn, dtype=first.dtype, device=first.device)
     if mine == real:
         return
     customs = op_kinds.custom_backwards(module, vocab_size=proxy.config.vocab_size)

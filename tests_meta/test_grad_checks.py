@@ -289,6 +289,25 @@ def test_optimizer_deterministic(optimizer, foreach):
     assert not torch.equal(out["proj"], m.proj.detach())
 
 
+@pytest.mark.parametrize("optimizer", sorted(G.OPTIMIZERS))
+def test_optimizer_steps_by_parameter_group_are_the_steps_over_all(optimizer):
+    """Group by group (bounded memory at real widths) gives the bits of one step over every
+    parameter, for each optimizer and both foreach settings; groups keep order and never split a
+    tensor."""
+    from fixtures.checks.grad_determinism import parameter_groups
+    m = _Tiny()
+    res = G.model_grads(m, torch.randn(5, 16), loss_fn=_tiny_loss)
+    params = dict(m.named_parameters())
+    sizes = {n: p.numel() * p.element_size() for n, p in params.items()}
+    groups = parameter_groups(params, max_bytes=min(sizes.values()))
+    assert [n for g in groups for n in g] == list(params) and len(groups) == len(params)
+    assert parameter_groups(params, max_bytes=sum(sizes.values())) == [list(params)]
+    for foreach in (False, True):
+        whole = G.optimizer_steps_deterministic(params, res.grads, optimizer, foreach=foreach, group_bytes=1 << 40)
+        split = G.optimizer_steps_deterministic(params, res.grads, optimizer, foreach=foreach, group_bytes=1)
+        assert all(torch.equal(whole[n], split[n]) for n in params)
+
+
 def test_optimizer_nondeterminism_and_no_change_detected(monkeypatch):
     m = _Tiny()
     res = G.model_grads(m, torch.randn(5, 16), loss_fn=_tiny_loss)
@@ -303,8 +322,9 @@ def test_optimizer_nondeterminism_and_no_change_detected(monkeypatch):
                         p.add_(torch.randn_like(p) * 1e-6)
 
     monkeypatch.setitem(G.OPTIMIZERS, "noisy", lambda ps, fe: NoisySGD(ps, lr=1e-2, foreach=fe))
-    with pytest.raises(BitwiseMismatch, match="noisy"):
-        G.optimizer_steps_deterministic(params, res.grads, "noisy")
+    for group_bytes in (1 << 30, 1):        # all at once, and one tensor at a time
+        with pytest.raises(BitwiseMismatch, match="noisy"):
+            G.optimizer_steps_deterministic(params, res.grads, "noisy", group_bytes=group_bytes)
     monkeypatch.setitem(G.OPTIMIZERS, "frozen", lambda ps, fe: torch.optim.SGD(ps, lr=0.0, foreach=fe))
     with pytest.raises(AssertionError, match="no parameter changed"):
         G.optimizer_steps_deterministic(params, res.grads, "frozen")
