@@ -115,31 +115,56 @@ def test_verdicts_computed_once_by_the_xdist_controller(suite):
 
 ORDER_SUITE = {
     "tests_c0_inventory/test_order.py": """
+import os, time
 import pytest
 def _log(name):
-    with open("order.txt", "a") as f: f.write(name + "\\n")
+    with open("order.txt", "a") as f:
+        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {name}\\n")
 @pytest.mark.C0
 def test_first_gate(): _log("c0")
+@pytest.mark.C1
+def test_second_gate(): _log("c1")
+@pytest.mark.C2
+def test_third_gate(): _log("c2")
 @pytest.mark.C10
 @pytest.mark.slow
-def test_rollout_scale(): _log("c10-slow")
+def test_rollout_scale(): time.sleep(0.5); _log("c10-slow")
+@pytest.mark.C10
+@pytest.mark.slow
+def test_throughput(): time.sleep(0.5); _log("c10-slow2")
 @pytest.mark.C10
 def test_quick(): _log("c10")
 """,
 }
 
 
-@pytest.mark.parametrize("xdist", [False, True], ids=["one-process", "xdist"])
-def test_slow_checks_run_first_only_under_xdist(write_suite, xdist):
-    """xdist hands checks out in collection order: a long check of the last gate would run alone
-    at the end, so under xdist the `slow` ones go first; one process keeps gate order."""
-    if xdist:
-        pytest.importorskip("xdist")
+def _order(pt) -> list[tuple[str, str]]:
+    return [tuple(line.split()) for line in (pt.path / "order.txt").read_text().splitlines()]
+
+
+def test_one_process_keeps_gate_order(write_suite):
     pt = write_suite(ORDER_SUITE)
-    res = run(pt, *(["-n", "1"] if xdist else []), "--upto", "C10")
-    assert res.ret in (0, 1), res.stdout.str()
-    order = (pt.path / "order.txt").read_text().split()
-    assert order == (["c10-slow", "c0", "c10"] if xdist else ["c0", "c10-slow", "c10"]), order
+    assert run(pt, "--upto", "C10").ret == 0
+    assert [n for _, n in _order(pt)] == ["c0", "c1", "c2", "c10-slow", "c10-slow2", "c10"]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_under_xdist_slow_checks_start_first_one_per_worker(write_suite, workers):
+    """xdist hands out checks in collection order, two at a time to start with (the plugin sets
+    --maxschedchunk 1): a long check of the last gate would otherwise run alone at the end, and
+    with the default chunking every slow check landed on one worker."""
+    pytest.importorskip("xdist")
+    pt = write_suite(ORDER_SUITE)
+    assert run(pt, "-n", str(workers), "--upto", "C10").ret == 0
+    order = _order(pt)
+    assert sorted(n for _, n in order) == sorted(["c0", "c1", "c2", "c10-slow", "c10-slow2", "c10"])
+    by_worker = {}
+    for w, n in order:
+        by_worker.setdefault(w, []).append(n)
+    if workers == 1:
+        assert order[0][1] == "c10-slow" and [n for _, n in order][:3] == ["c10-slow", "c0", "c10-slow2"], order
+    else:
+        assert {ws[0] for ws in by_worker.values()} == {"c10-slow", "c10-slow2"}, by_worker    # one each, first
 
 
 def test_a_check_without_gate_marker_is_a_collection_error(suite):
