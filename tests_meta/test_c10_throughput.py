@@ -230,3 +230,28 @@ def test_gate_end_to_end_on_the_fake_worker(tmp_path):
     assert {"throughput_ratio", "throughput_on_tok_s", "throughput_off_tok_s", "rollout_workload",
             "rollout_cuda_graphs", "rollout_tokens_generated", "throughput_on_seconds",
             "throughput_off_seconds"} <= names
+
+
+def test_side_by_side_script_runs_three_engines(monkeypatch, capsys):
+    """benchmarks/c10_side_by_side_gpu.py (issue #21's stock / invariance / invariance + fixes table)
+    on the fake worker: three engines, the fixes only in the third one's environment, one table."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "c10_side_by_side_gpu.py"
+    spec = importlib.util.spec_from_file_location("c10_side_by_side_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from fixtures.vllm import client
+    started = []
+    real = client.VLLMEngine.__init__
+
+    def spy(self, model_dir, settings=None, **kw):
+        started.append((settings.batch_invariant, dict(settings.extra["env"])["CONFORMANCE_VLLM_FIXES"]))
+        real(self, model_dir, settings, **kw)
+    monkeypatch.setattr(client.VLLMEngine, "__init__", spy)
+    assert mod.main(["--model", "qwen3", "--proxy", "tiny", "--fake", "echo", "--rollout-workload", "8,16,16,2",
+                     "--rounds", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "tok/s" not in line]
+    assert [r.split(" | ")[0] for r in rows] == ["| stock (invariance off)", "| invariance on", "| invariance on + fixes"]
+    assert sorted(set(started)) == [(False, "none"), (True, "all"), (True, "none")]
+    assert mod.main(["--rounds", "0"]) == 2

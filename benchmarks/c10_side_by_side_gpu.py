@@ -1,0 +1,112 @@
+"""C10's rollout workload on three engines of one model in one run: stock vLLM (invariance off),
+invariance on (VLLM_BATCH_INVARIANT=1, no fixes), invariance on + the fix pack (--vllm-fixes):
+tok/s each and the ratios to stock (issue #21 item 3). The gate measures two of them (on vs off);
+this is the side-by-side for the fix pack's cost.
+
+Why a script and not the gate: the third configuration is the vLLM adapter's own knob
+(CONFORMANCE_VLLM_FIXES in the engine worker), not a contract setting every implementation has.
+Each engine is measured as C10 measures one (fixtures.checks.throughput.time_rollout: a warm-up,
+then the fastest of two timed runs, CUDA graphs on where the engine has them, the engine's own
+clock), one engine at a time, and the three are measured `--rounds` times in turn so a drift of
+the machine shows as spread rather than as a ratio. Run it alone on the GPU (not beside a pytest
+run: other work on the device skews tok/s).
+
+    VLLM_USE_FLASHINFER_SAMPLER=0 python benchmarks/c10_side_by_side_gpu.py --model qwen3 --proxy shallow
+    ... --model qwen3 --proxy full --proxy-weights engine-dummy        # full depth, vLLM's dummy weights
+    ... --fake echo                                                     # the script itself, on the CPU
+
+Prints one table (markdown) and exits 0; 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONFIGS = (("stock (invariance off)", False, "none"),
+           ("invariance on", True, "none"),
+           ("invariance on + fixes", True, "all"))
+
+
+def model_dir(args, tmp: Path) -> Path:
+    from fixtures.models.proxies import build_engine_dummy, build_proxy
+    given = Path(args.model)
+    if (given / "config.json").is_file():
+        return given
+    if args.proxy_weights == "engine-dummy":
+        return build_engine_dummy(args.model, args.proxy, tmp / "proxy").path
+    import torch
+    return build_proxy(args.model, args.proxy, tmp / "proxy", dtype=torch.bfloat16).path
+
+
+def measure(path: Path, workload, *, rounds: int, fake: str | None, fixes_all: str) -> dict[str, list]:
+    from fixtures.checks.throughput import time_rollout
+    from fixtures.core.contract import EngineSettings
+    from fixtures.vllm.client import VLLMEngine
+    import json
+    vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
+    out: dict[str, list] = {name: [] for name, _, _ in CONFIGS}
+    for _ in range(rounds):
+        for name, invariant, fixes in CONFIGS:
+            env = {"CONFORMANCE_VLLM_FIXES": fixes_all if fixes == "all" else "none"}
+            probe = EngineSettings(batch_invariant=invariant, extra={"env": env})
+            engine = VLLMEngine(path, probe, fake=fake)
+            try:
+                graphs = bool(engine.capabilities().cuda_graphs)
+            finally:
+                engine.close()
+            settings = EngineSettings(batch_invariant=invariant, cuda_graphs=True if graphs else None,
+                                      extra={"env": env})
+            engine = VLLMEngine(path, settings, fake=fake)
+            try:
+                out[name].append(time_rollout(engine, workload, vocab, batch_invariant=invariant, cuda_graphs=graphs))
+            finally:
+                engine.close()
+    return out
+
+
+def table(results: dict[str, list], workload) -> str:
+    stock = max(m.tokens_per_s for m in results[CONFIGS[0][0]])
+    lines = [f"workload: {workload.describe()}", "",
+             "| engine | tok/s (best of rounds) | every round | ratio to stock | steps / graph replays |",
+             "|---|---|---|---|---|"]
+    for name, _, _ in CONFIGS:
+        ms = results[name]
+        best = max(ms, key=lambda m: m.tokens_per_s)
+        lines.append(f"| {name} | {best.tokens_per_s:,.0f} | {', '.join(f'{m.tokens_per_s:,.0f}' for m in ms)} | "
+                     f"{best.tokens_per_s / stock:.3f} | {best.steps} / {best.graph_steps} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3", help="a recipe name or a model directory (config.json + weights)")
+    ap.add_argument("--proxy", default="shallow", choices=("tiny", "shallow", "full"))
+    ap.add_argument("--proxy-weights", default="files", choices=("files", "engine-dummy"))
+    ap.add_argument("--rollout-workload", default="256,256,128,4", help="PROMPTS,IN,OUT,N as C10's option")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--fixes", default="all", help="what the third engine installs (--vllm-fixes spelling)")
+    ap.add_argument("--fake", default=None, help="a fake vLLM worker backend (CPU self-test), e.g. echo")
+    args = ap.parse_args(argv)
+    from fixtures.checks.workloads import parse_rollout_workload
+    from fixtures.vllm.fixes import parse
+    try:
+        workload = parse_rollout_workload(args.rollout_workload)
+        parse(args.fixes)
+        if args.rounds < 1:
+            raise ValueError("--rounds: expected a whole number >= 1")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_dir(args, Path(tmp))
+        results = measure(path, workload, rounds=args.rounds, fake=args.fake, fixes_all=args.fixes)
+    print(table(results, workload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
