@@ -125,6 +125,37 @@ def test_c8_model_bound_judges_the_reference_backwards(proxy_dir):
     assert plant.engaged and plant.parameter in bad.violations, bad.message()
 
 
+@pytest.mark.parametrize("dtype, kept", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
+def test_c8_float64_side_moves_to_the_cpu_when_the_share_is_short(proxy_dir, monkeypatch, dtype, kept):
+    """Where the float64 copy and its kept gradients do not fit this worker's GPU share (measured
+    on the H200: 25-38 GiB against 29.75 at MoE widths), they run on the CPU, kept in float32 for
+    a 16-bit trainer (2^-24 of the scale, far under its bound) and in float64 for a float32 one:
+    the correct trainer still passes and the planted wrong backward is still seen."""
+    import contextlib
+    from fixtures.checks import grad_checks as G
+    from fixtures.checks import grad_model
+    from fixtures.core import gpu_memory
+    monkeypatch.setattr(gpu_memory, "fits_this_worker", lambda device, need: False)
+    trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=dtype, device="cpu")
+    module = trainer.module()
+    assert grad_model.reference_placement(module, 2) == (torch.device("cpu"), kept)
+
+    def loss(_model, seqs):
+        return -torch.cat([lp.reshape(-1) for lp in trainer.logprobs_with_grad(seqs)]).mean()
+    ref = G.reference_grads(module, G.seeded_batches(trainer.model.config.vocab_size, seeds=(0, 1)))
+    assert {g.dtype for batch in ref.g64 for g in batch.values()} == {kept}
+    own = contextlib.nullcontext
+    rep = G.check_model_grads(module, ref, loss, kernel_mode=own)
+    assert rep.ok, rep.message()
+    with G.planted_in_trainer("projection_grad_scaled", module, u=ref.u) as plant:
+        bad = G.check_model_grads(module, ref, loss, kernel_mode=own)
+    assert plant.engaged
+    if dtype == torch.float32:
+        assert plant.parameter in bad.violations, bad.message()
+    else:   # a tiny bf16 proxy's stock run lands far from float64, so only the rise is asserted here
+        assert bad.ratios[plant.parameter] > 2 * rep.ratios[plant.parameter], bad.message()
+
+
 @pytest.mark.parametrize("model, why", [("mamba2", "covers qwen3"), ("nemotron_h", "covers qwen3"),
                                         ("llama", "default rotary only .*llama3")])
 def test_unsupported_models_are_na(model, why, tmp_path):
