@@ -101,12 +101,15 @@ def test_same_batch_twice(engine, proxy):
 def test_control_stock_kernels_are_seen(engine_factory, proxy):
     """Negative control: the same needle check on the engine with stock kernels must see a
     difference (CPU fp32 GEMM is batch-variant from a few rows); where it does not, the check is
-    inconclusive on this hardware - reported, never a silent pass."""
+    inconclusive on this hardware - reported, never a silent pass. Every request of the batch is
+    compared, as test_every_request_alone_equals_batch does: a stock GEMM's one-ULP difference
+    reaches a sampled logprob's bits only now and then (measured: 2-7 of 16 requests on the tiny
+    proxies; the first 4 alone saw none for qwen2_moe on the planted CPU)."""
     batch = fixed_batch(proxy.config.vocab_size, 16, seed=3)
     with engine_factory(EngineSettings(batch_invariant=False)) as stock:
-        alone = [run_stated(stock, [r], r.request_id, label="alone", state=COLD)[0][0] for r in batch[:4]]
-        together = run_stated(stock, batch, batch[0].request_id, label="in a batch of 16")[0][:4]
+        alone = [run_stated(stock, [r], r.request_id, label="alone", state=COLD)[0][0] for r in batch]
+        together = run_stated(stock, batch, batch[0].request_id, label="in a batch of 16")[0]
     with must_fire("stock kernels gave identical bits alone and in a batch of 16",
-                   tried="4 requests alone vs in a batch of 16, stock kernels, every run cold"):
+                   tried="16 requests alone vs in a batch of 16, stock kernels, every run cold"):
         for a, b in zip(alone, together):
             assert_same_completion(a, b, lhs="alone", rhs="in a batch of 16")

@@ -228,3 +228,23 @@ def test_fake_worker_reports_traces_and_how_rows_were_found(tmp_path):
         assert eng.last_stats().requests["needle"] == RequestTrace(0, (22, 2, 2), (20, 1, 1))
         text = localise_in_engine(eng, needle, batch, 1)
     assert "rows mapped by request alone" in text and "rerun alone: started cold (prefix cache reset)" in text, text
+
+
+@pytest.mark.parametrize("model_type, layer_types, names", [
+    ("qwen3_next", None, "Qwen3NextGatedDeltaNet"),
+    ("lfm2", ["conv", "full_attention"], "Lfm2ShortConv")], ids=["gated-delta-net", "short-conv"])
+def test_a_state_space_block_that_is_not_mamba2_is_refused_by_name(tmp_path, model_type, layer_types, names):
+    """A block that keeps a state the engine has no path for (not a Mamba-2 mixer: a gated delta
+    net, a short causal conv) is refused - n/a naming the block's class and the missing piece,
+    never run over a packed row where it would mix the sequences."""
+    import json
+    from transformers import CONFIG_MAPPING
+    from fixtures.reference.engine import EngineUnsupported
+    d = json.loads(CONFIG_MAPPING[model_type]().to_json_string())
+    if layer_types:
+        d["layer_types"] = layer_types * (d["num_hidden_layers"] // len(layer_types))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps(d))
+    spec = build_proxy(tmp_path / "src", "tiny", tmp_path / "proxy")
+    with pytest.raises(EngineUnsupported, match=rf"^n/a: .*missing piece is an exact-replay state path for {names} "):
+        ReferenceEngine(spec.path)

@@ -389,3 +389,23 @@ def test_a_bamba_config_reduces_keeping_its_attention_layer(tmp_path, size):
     assert sorted(set(P.layer_kinds(reduced))) == sorted(set(P.layer_kinds(real))) == ["attention+mlp", "mamba+mlp"]
     if size == "tiny":
         assert reduced.mamba_n_heads * reduced.mamba_d_head == reduced.mamba_expand * reduced.hidden_size
+
+
+def test_output_multipliers_do_not_flatten_the_proxy_logits(tmp_path):
+    """FalconH1 multiplies its logits by lm_head_multiplier (0.039), Granite divides them by
+    logits_scaling (6): on random weights that flattens the logits until a few ULP of difference
+    in the hidden state never reach a logprob's bits. The proxy keeps the factor and draws the LM
+    head (the tied embedding for Granite) with std / logit_scale; a family without one keeps std."""
+    spreads = {}
+    for name in ("falcon_h1", "granitemoehybrid", "bamba"):
+        spec = P.build_proxy(P.FAMILIES_DIR / name, "tiny", tmp_path / name)
+        model = P.load_model(spec.path)
+        ids = torch.arange(40)[None] % spec.config.vocab_size
+        with torch.no_grad():
+            spreads[name] = float(model(input_ids=ids).logits.std())
+    assert P.logit_scale(P.source_config(P.FAMILIES_DIR / "falcon_h1")) == pytest.approx(0.0390625)
+    assert P.logit_scale(P.source_config(P.FAMILIES_DIR / "granitemoehybrid")) == pytest.approx(1 / 6)
+    assert P.logit_scale(P.source_config(P.FAMILIES_DIR / "bamba")) == 1.0
+    # control: bamba has no output factor, its head is drawn as before; the scaled ones spread alike
+    for name in ("falcon_h1", "granitemoehybrid"):
+        assert 0.5 < spreads[name] / spreads["bamba"] < 2, f"{name} proxy logits spread {spreads}"
