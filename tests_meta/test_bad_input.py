@@ -271,3 +271,18 @@ def test_unknown_model_type_vs_no_recipe(project, tmp_path, one_error_line):
     line = one_error_line(project.runpytest_inprocess(f"--model={bert}", "--co"), "model_type 'bert' has no proxy recipe",
                     "docs/porting-guide.md")
     assert all(name in line for name in P.RECIPES)
+
+
+def test_configs_the_rules_cannot_reduce_are_one_line_before_any_check(project, tmp_path, one_error_line):
+    """An attention-free config, and one whose layer layout the depth cut does not rewrite
+    (jamba's attn_layer_period), are refused at start in one line - not as an error in every
+    check that builds the proxy."""
+    from transformers import FalconMambaConfig, JambaConfig
+    mamba1 = tmp_path / "falcon_mamba"
+    FalconMambaConfig().save_pretrained(mamba1)
+    one_error_line(project.runpytest_inprocess(f"--model={mamba1}", "--co"),
+                   "model_type 'falcon_mamba' has no attention heads (an attention-free architecture", "not supported yet")
+    jamba = tmp_path / "jamba"
+    JambaConfig().save_pretrained(jamba)
+    one_error_line(project.runpytest_inprocess(f"--model={jamba}", "--co"),
+                   "could not reduce jamba to the tiny proxy", "fixtures/models/reduce.py cut_depth")
