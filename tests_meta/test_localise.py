@@ -326,6 +326,11 @@ def test_engine_rows_name_the_module_where_a_batch_changes_a_request(tmp_path):
     with fault.active(engine):
         found = localise_in_engine(engine, needle, batch, 1)
     assert f"{fault.module} (" in found and "output elements differ" in found and "ULP" in found, found
+    assert f"first diverging op inside {fault.module}" in found and f"{fault.module}: {fault.op} -> []" in found, found
+    twice = batch + [Request("o3", needle.prompt_ids, SamplingParams(max_tokens=3))]   # the prompt repeated
+    with fault.active(engine):
+        ambiguous = localise_in_engine(engine, needle, twice, 1)
+    assert f"{fault.module} (" in ambiguous and "ambiguous" in ambiguous and fault.op not in ambiguous, ambiguous
 
 
 def test_logprob_step_named_after_equal_logits(llama_dir):
