@@ -20,6 +20,8 @@ from fixtures.core.contract import EngineSettings, Request, ResetsPrefixCache, S
 from fixtures.core.outcomes import must_fire, not_applicable
 from fixtures.diagnose.conventions import diagnoser
 from fixtures.diagnose.engine_rows import COLD, StatedRun, run_stated, start_from, state_context, where_runs_part
+from fixtures.core.full_rows import ReturnsDecodeFullRows, ReturnsFullVocabLogprobs
+from fixtures.checks.full_row_checks import assert_decode_rows_equal_prefill
 from fixtures.checks.weight_push import assert_served_fresh, checkpoint_weights, moved_weights
 from fixtures.checks.workloads import (assert_same_completion, engine_settings, long_request, random_ids,
                                        requests)
@@ -69,6 +71,57 @@ def test_decode_equals_prefill(engine, proxy, lazy_trainer, data):
     decoded = {r.request_id: StatedRun("decode", run.state, traces.get(r.request_id)) for r in batch}
     assert_decode_equals_prefill(engine, completions, decoded, params={r.request_id: r.params for r in batch},
                                  trainer=lazy_trainer)
+
+
+def _decode_rows(engine, proxy, **kw) -> int:
+    for capability in (ReturnsDecodeFullRows, ReturnsFullVocabLogprobs):
+        if not isinstance(engine, capability):
+            not_applicable(f"the engine is not {capability.__name__} (no whole-vocabulary rows "
+                           f"{'of its decode path' if capability is ReturnsDecodeFullRows else 'of a prefill'})",
+                           capability=capability)
+    batch = [Request(f"rows{i}", tuple(random_ids(proxy.config.vocab_size, 5 + 9 * i, seed=40 + i)),
+                     SamplingParams(max_tokens=4 + 2 * i, temperature=1.0, seed=7 + i, n=2, ignore_eos=True))
+             for i in range(3)]
+    try:
+        return assert_decode_rows_equal_prefill(engine, batch, **kw)
+    except NotImplementedError as exc:
+        not_applicable(f"whole-vocabulary rows not available: {exc}")
+
+
+def test_decode_full_rows_equal_prefill(engine, proxy, record_metric):
+    """The whole distribution, not only the sampled token: at 2 seeded generated positions of each
+    of 6 samples (3 prompts x 2, 4-8 new tokens), the row the decode path drew the token from
+    equals the row of one prefill of prompt + generated ids there, bit for bit - a bias on an
+    entry never sampled leaves every sampled-token logprob equal and only shows here."""
+    record_metric("decode_full_rows_compared", _decode_rows(engine, proxy, seed=5))
+
+
+class _DecodeEntryOff:
+    """An engine whose decode rows have one entry - of a token not sampled there - one ULP off."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, item):
+        if item == "inner":
+            raise AttributeError(item)
+        return getattr(self.inner, item)
+
+    def generate_full_rows(self, requests):
+        completions, rows = self.inner.generate_full_rows(requests)
+        r = rows[0][0]
+        v = 1 if int(completions[0].samples[0].token_ids[0]) == 0 else 0
+        r[0, v] = torch.nextafter(r[0, v], torch.tensor(float("-inf")))
+        return completions, rows
+
+
+def test_control_decode_full_rows_see_an_entry_off(engine, proxy):
+    """Negative control for the decode-row check: one entry of one decode row one ULP off, away
+    from the sampled token (its logprob untouched), must be reported."""
+    with must_fire("an entry one ULP off in one decode row went unseen by the decode-row check",
+                   tried="C4's decode rows, the first row of the first sample moved by one ULP at one entry",
+                   catch=(AssertionError,), on_this_hardware=False):
+        _decode_rows(_DecodeEntryOff(engine), proxy, per_sample=8, seed=5)
 
 
 @pytest.mark.slow

@@ -229,7 +229,7 @@ def test_planted_custom_backward_exceeds_model_bound(trainer, reference_grads, t
     with G.planted_in_trainer("projection_grad_scaled", module, u=reference_grads.u) as plant:
         rep = G.check_model_grads(module, reference_grads, trainer_loss, kernel_mode=trainer_mode,
                                   planted=f"{plant.plant.name} at {plant.parameter}")
-    assert plant.engaged, f"the planted Function never ran: the trainer did not pass {plant.parameter} to torch"
+    assert plant.engaged, plant.never_ran()
     record_metric("C8 planted projection ratio", rep.ratios.get(plant.parameter, 0.0))
     assert plant.parameter in rep.violations, (
         f"planted wrong custom backward ({plant.plant.doc}) stayed within the model-level bound: it is too "
@@ -258,7 +258,7 @@ def test_planted_unordered_scatter_add(trainer, proxy, repeated_batch, trainer_l
             G.grads_deterministic(module, batch, loss_fn=trainer_loss, kernel_mode=trainer_mode)
         except AssertionError as exc:
             caught = exc
-    assert plant.engaged, f"the planted Function never ran: the trainer did not pass {plant.parameter} to torch"
+    assert plant.engaged, plant.never_ran()
     if batch_kind == "repeated_ids":
         assert caught is not None, ("planted nondeterministic scatter-add: two backwards on "
                                     f"{sum(map(len, batch))} tokens (max {G.max_repeats(batch)} repeats of an id) "

@@ -5,7 +5,8 @@ gate chain (`--upto <the fault's gate>`) on one tiny proxy, then reads the verdi
 - every gate before the fault's gate that has checks today must have all of them pass
   (the fault must not trip an earlier gate - that would be a mis-attributed catch);
 - the fault's own gate, once it has checks, must fail, and (for a localisable fault) its failure
-  text must name the op.
+  text must name the place: the op (or its kernel), for a trainer-gradient fault the parameter,
+  for a decode-row fault the vocabulary id (docs/fault-matrix.md has the table).
 A gate with no checks yet is not reached: the row then checks only the earlier gates and says so
 in a MatrixPending warning, and becomes fully checked as that gate arrives - no edit needed here.
 
@@ -170,7 +171,8 @@ def test_chain_goes_red_at_the_faults_gate(name, tmp_path, pytestconfig):
         f"the condition this fault needs ({fault.description})\n{ctx}")
     if fault.localisable:
         failure = "\n".join(texts.get(fault.gate, []))
-        names = [fault.op] + [n for n in (getattr(fault, "kernel", ""), getattr(fault, "variant", "")) if n]
+        names = [fault.op] + [n for n in (getattr(fault, "kernel", ""), getattr(fault, "variant", ""))
+                              if isinstance(n, str) and n]      # a module fault's variant is a function
         assert any(_names(failure, n) for n in names), (
             f"{fault.gate} caught {fault.name} but its failure does not name {' or '.join(names)}: both sides "
             f"of that check can be traced, so it must say where they part (assert_bitwise(..., "

@@ -326,3 +326,38 @@ def test_engine_rows_name_the_module_where_a_batch_changes_a_request(tmp_path):
     with fault.active(engine):
         found = localise_in_engine(engine, needle, batch, 1)
     assert f"{fault.module} (" in found and "output elements differ" in found and "ULP" in found, found
+    assert f"first diverging op inside {fault.module}" in found and f"{fault.module}: {fault.op} -> []" in found, found
+    twice = batch + [Request("o3", needle.prompt_ids, SamplingParams(max_tokens=3))]   # the prompt repeated
+    with fault.active(engine):
+        ambiguous = localise_in_engine(engine, needle, twice, 1)
+    assert f"{fault.module} (" in ambiguous and "ambiguous" in ambiguous and fault.op not in ambiguous, ambiguous
+
+
+def test_logprob_step_named_after_equal_logits(llama_dir):
+    """C7's localisation when the model is not where trainer and engine part: the engine's
+    log-softmax runs over every prefill position ([n, V]), the trainer's over its shifted logits
+    ([1, n - 1, V]); with equal logits, the logprob step is compared on the positions both have
+    and the planted float64 log-softmax is named with its position and vocabulary id. Clean: the
+    logits are equal and no op of the step differs."""
+    from fixtures.diagnose.localise import record
+    from fixtures.diagnose.logprob_step import describe_logprob_step, localise_logprob_step, logits_compared
+    from fixtures.reference.engine import ReferenceEngine
+    from fixtures.reference.hf_trainer import HFTrainer
+    fault = FAULTS["trainer_log_softmax_fp64"]
+    engine = ReferenceEngine(llama_dir, kernel_mode=batch_invariant_mode)
+    seq = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+    rec_e = record(lambda: engine.prompt_logprobs([seq]), engine.module(), Rows.row(0, len(seq)))
+    for trainer, planted in ((HFTrainer(llama_dir, kernel_mode=batch_invariant_mode, attn_implementation="invariant"),
+                              False),
+                             (fault.wrap_trainer(HFTrainer(llama_dir, kernel_mode=batch_invariant_mode,
+                                                           attn_implementation="invariant")), True)):
+        rec_t = record(lambda: trainer.logprobs([seq]), trainer.module(), Rows.row(0, len(seq)))
+        logits = logits_compared(rec_e, rec_t, ("engine", "trainer"))
+        assert logits.equal and (logits.positions, logits.vocab) == (len(seq), 512), logits.detail
+        loc = localise_logprob_step(rec_e, rec_t, logits, names=("engine", "trainer"))
+        if not planted:
+            assert loc is None, loc.describe()
+            continue
+        assert loc is not None and (loc.module, loc.op) == (fault.module, fault.op), loc and loc.describe()
+        text = describe_logprob_step(loc, logits, ("engine", "trainer"))
+        assert f"positions 0..{len(seq) - 2} compared" in text and "vocabulary id" in text and "ULP" in text, text
