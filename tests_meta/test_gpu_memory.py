@@ -183,6 +183,29 @@ def test_a_start_out_of_memory_closes_idle_engines_retries_and_says_so(model_dir
         pool.close_all()
 
 
+def test_a_start_out_of_memory_waits_for_other_workers_memory(model_dir):
+    """Measured on the H200 (-n 4, one GPU): a compiled engine's start ran out of memory held by
+    the other workers' transient peaks. With nothing of its own left to close, the pool waits and
+    tries again (oom_waits; VLLMImplementation sets 10, 20, 30 s where workers share the GPU), and
+    says so in the check's costs; when every wait is spent the error says how long it waited."""
+    from fixtures.core import costs
+    costs.drain()
+    attempts = []
+
+    def flaky():
+        attempts.append(1)
+        return _engine(model_dir, GIB, fake="oom_start" if len(attempts) < 3 else "echo", n=4)()
+    pool = vpool.EnginePool(max_idle=2, oom_waits=(0.01, 0.02))
+    try:
+        with pool.acquire("late", flaky) as e:
+            assert e.engine.alive and len(attempts) == 3
+        assert [c["kind"] for c in costs.drain()] == ["engine start waited for GPU memory"] * 2 + ["engine start"]
+        with pytest.raises(vipc.EngineOutOfMemory, match=r"tried 3 times, waiting 0 s for other workers' memory"):
+            pool.acquire("never", _engine(model_dir, GIB, fake="oom_start", n=5))
+    finally:
+        pool.close_all()
+
+
 def test_an_engine_error_that_is_not_memory_stays_a_worker_error(model_dir):
     pool = vpool.EnginePool(max_idle=2)
     try:

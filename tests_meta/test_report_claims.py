@@ -27,3 +27,17 @@ def test_a_tick_is_a_count_of_this_run():
 def test_unserved_calls_are_an_open_box():
     lines = _lines({"aten.mm": {"matmul": 3}}, unserved={"aten.mm": 1})
     assert lines["matmul"].startswith("- [ ]") and "UNSERVED: aten.mm" in lines["matmul"]
+
+
+def test_time_section_sums_engine_starts_per_check():
+    """The report's "Where the time went": worker time per gate, engine starts counted and timed,
+    the slowest checks first with their share."""
+    from fixtures.plugin.report import time_section
+    checks = [{"nodeid": "a", "gate": "C4", "duration_s": 40.0, "costs": {"engine start": {"n": 2, "s": 30.0}}},
+              {"nodeid": "b", "gate": "C5", "duration_s": 5.0},
+              {"nodeid": "c", "gate": "C4", "duration_s": 10.0, "costs": {"engine start": {"n": 1, "s": 8.0}}}]
+    text = "\n".join(time_section(checks, wall_s=30.0))
+    assert "worker time 55 s over 3 checks (wall 30 s); per gate: C4 50 s, C5 5 s" in text
+    assert "- engine start: 3 taking 38 s" in text
+    assert text.index("| `a` | 40.0 | 2 engine starts 30 s |") < text.index("| `c` | 10.0 | 1 engine start 8 s |")
+    assert time_section([]) == []

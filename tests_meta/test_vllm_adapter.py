@@ -439,7 +439,9 @@ def test_builtin_name_and_factories():
 
 
 def test_engines_are_reused_per_configuration(model_dir, monkeypatch, tmp_path):
+    from fixtures.core import costs
     monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
+    costs.drain()
     impl = vimpl.VLLMImplementation(fake="echo", max_idle=1)
     try:
         with impl.make_engine(model_dir) as e1:
@@ -454,6 +456,9 @@ def test_engines_are_reused_per_configuration(model_dir, monkeypatch, tmp_path):
             assert e3.engine.proc.pid != pid1
             assert e3.last_stats().steps == 0
         assert impl.pool.starts == 2 and impl.pool.reuses == 1
+        starts = [c for c in costs.drain() if c["kind"] == "engine start"]     # the report's time section
+        assert [c["what"] for c in starts] == ["default settings", "max_num_seqs=3"], starts
+        assert all(c["s"] > 0 for c in starts)
         first = impl.pool.entries[next(iter(impl.pool.entries))][0]
         with impl.make_engine(model_dir, EngineSettings(max_num_seqs=5)):
             pass
