@@ -15,7 +15,7 @@ from fixtures.core.comparison import assert_bitwise
 from fixtures.core.contract import EngineSettings, Request, SamplingParams
 from fixtures.core.outcomes import must_fire, not_applicable
 from fixtures.diagnose.conventions import diagnoser
-from fixtures.diagnose.engine_rows import COLD, StatedRun, where_runs_part
+from fixtures.diagnose.engine_rows import COLD, StatedRun, start_from, state_context, where_runs_part
 from fixtures.checks.workloads import assert_same_completion, assert_same_completions, engine_settings, mixed_workload
 
 pytestmark = pytest.mark.C5
@@ -23,35 +23,59 @@ pytestmark = pytest.mark.C5
 
 @pytest.fixture(scope="module")
 def baseline(engine, proxy):
+    """The mixed workload on the default engine from a cold cache, with each request's trace."""
     reqs = mixed_workload(proxy.config.vocab_size)
-    return reqs, engine.generate(reqs)
+    reached = start_from(engine, COLD)
+    want = engine.generate(reqs)
+    traces = dict(engine.last_stats().requests or {})
+    return reqs, want, {r.request_id: StatedRun("default", reached, traces.get(r.request_id)) for r in reqs}
+
+
+def assert_same_as_default(engine_factory, settings: EngineSettings, label: str, got, reached: str, traces: dict,
+                           baseline) -> None:
+    """Each request of `got` (run under `settings`) bitwise vs the default engine's; a mismatch
+    states both sides' steps and, where both engines record rows, names the first module whose
+    rows of the request part (both rerun cold, one engine open at a time)."""
+    __tracebackhide__ = True
+    reqs, want, want_runs = baseline
+    reopen = [(label, lambda: engine_factory(settings)), ("default", lambda: engine_factory(EngineSettings()))]
+    by_id = {c.request_id: c for c in want}
+    for r, x in zip(reqs, got):
+        sides = (StatedRun(label, reached, traces.get(r.request_id)), want_runs[r.request_id])
+        assert_same_completion(x, by_id[r.request_id], lhs=label, rhs="default", **state_context(*sides),
+                               diagnose=where_runs_part(reopen, reqs, r, sides))
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 7])
 def test_max_batch_size(engine_factory, baseline, max_num_seqs):
-    reqs, want = baseline
-    with engine_factory(EngineSettings(max_num_seqs=max_num_seqs)) as e:
-        got = e.generate(reqs)
+    settings = EngineSettings(max_num_seqs=max_num_seqs)
+    with engine_factory(settings) as e:
+        reached = start_from(e, COLD)
+        got = e.generate(baseline[0])
         stats = e.last_stats()
     assert stats.max_running <= max_num_seqs, f"max_num_seqs={max_num_seqs} not honoured: {stats}"
-    assert_same_completions(got, want, lhs=f"max_num_seqs={max_num_seqs}", rhs="default")
+    assert_same_as_default(engine_factory, settings, f"max_num_seqs={max_num_seqs}", got, reached,
+                           dict(stats.requests or {}), baseline)
 
 
 @pytest.mark.parametrize("budget", [7, 17, 33])   # the C4 chunking budgets: engines can be reused
 def test_token_budget(engine_factory, baseline, budget):
-    reqs, want = baseline
-    with engine_factory(EngineSettings(max_num_batched_tokens=budget)) as e:
+    reqs = baseline[0]
+    settings = EngineSettings(max_num_batched_tokens=budget)
+    with engine_factory(settings) as e:
         if not e.capabilities().chunked_prefill and budget < max(len(r.prompt_ids) for r in reqs):
             not_applicable("no chunked prefill, so a budget below the longest prompt is invalid",
                            feature="chunked_prefill")
+        reached = start_from(e, COLD)
         got = e.generate(reqs)
-    assert_same_completions(got, want, lhs=f"token budget {budget}", rhs="default")
+        traces = dict(e.last_stats().requests or {})
+    assert_same_as_default(engine_factory, settings, f"token budget {budget}", got, reached, traces, baseline)
 
 
 @engine_settings(divisor=8, floor=1)
 @given(perm=st.permutations(list(range(10))))
 def test_arrival_order(engine, baseline, perm):
-    reqs, want = baseline
+    reqs, want, _ = baseline
     assert_same_completions(engine.generate([reqs[i] for i in perm]), want, lhs=f"arrival order {perm}",
                             rhs="original order")
 
@@ -62,7 +86,7 @@ def test_engine_modes(engine_factory, engine, baseline, feature, flag):
     """Graphs vs eager, compiled vs not, async vs sync: each varied alone."""
     if not getattr(engine.capabilities(), feature):
         not_applicable(f"the engine does not declare {feature}", feature=feature)
-    reqs, _ = baseline
+    reqs = baseline[0]
     with engine_factory(EngineSettings(**{flag: False})) as off:
         want, off_traces = off.generate(reqs), dict(off.last_stats().requests or {})
     with engine_factory(EngineSettings(**{flag: True})) as on:
