@@ -438,6 +438,28 @@ def test_builtin_name_and_factories():
     assert vimpl.native_defaults().defaults.cuda_graphs and vimpl.native_defaults().defaults.compilation
 
 
+def test_default_kv_cache_is_sized_by_the_model(tmp_path):
+    """A default engine's KV cache holds AdapterDefaults.kv_cache_tokens tokens of its model (bf16
+    K and V per attention layer), at most the 4 GiB cap: a shallow proxy's engine no longer
+    reserves 4 GiB it cannot use (measured on the H200: 9.5 GiB per qwen3-shallow engine, four
+    workers out of memory). Full depth, latent attention and state-space layers keep the cap;
+    an explicit EngineSettings.extra value is kept as given."""
+    def model(**config):
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000, **config}))
+        return d
+    shallow = model(num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    assert vset.kv_cache_bytes(shallow) == 2 * 2 * 8 * 128 * 2 * 262144 == 2 << 30
+    assert vset.llm_kwargs(shallow, EngineSettings())["kv_cache_memory_bytes"] == 2 << 30
+    assert vset.llm_kwargs(shallow, EngineSettings(extra={"kv_cache_memory_bytes": 3 << 30}))["kv_cache_memory_bytes"] \
+        == 3 << 30
+    assert vset.kv_cache_bytes(model(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                     head_dim=128)) == 4 << 30
+    assert vset.kv_cache_bytes(model(num_hidden_layers=2, num_attention_heads=16, kv_lora_rank=512)) == 4 << 30
+    assert vset.kv_cache_bytes(model(num_hidden_layers=1, num_attention_heads=2, hidden_size=64)) == 256 << 20
+
+
 def test_engines_are_reused_per_configuration(model_dir, monkeypatch, tmp_path):
     from fixtures.core import costs
     monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
