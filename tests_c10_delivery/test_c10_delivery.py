@@ -19,6 +19,7 @@ pytestmark = pytest.mark.C10
 
 
 @pytest.mark.slow
+@pytest.mark.engine_config("cuda_graphs=on")     # C5's CUDA-graph engine is C10's invariance-on engine
 def test_throughput_ratio(engine_factory, proxy, impl, pytestconfig, record_metric):
     workload = rollout_workload(pytestconfig.getoption("--rollout-workload"), impl.device())
     vocab = proxy.config.vocab_size

@@ -98,6 +98,7 @@ def test_same_batch_twice(engine, proxy):
         assert_same_completion(x, y, lhs="run 1", rhs="run 2", **state_context(*sides))
 
 
+@pytest.mark.engine_config("stock")
 def test_control_stock_kernels_are_seen(engine_factory, proxy):
     """Negative control: the same needle check on the engine with stock kernels must see a
     difference (CPU fp32 GEMM is batch-variant from a few rows); where it does not, the check is

@@ -126,6 +126,7 @@ def test_control_decode_full_rows_see_an_entry_off(engine, proxy):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", CHUNK_BUDGETS)
+@pytest.mark.engine_config(lambda p: f"max_num_batched_tokens={p['budget']}")    # C5's token budgets too
 @engine_settings(divisor=16, floor=1)
 @given(extra=st.integers(1, 60), seed=st.integers(0, 99))
 def test_chunked_prefill_equals_unchunked(engine_factory, engine, proxy, budget, extra, seed):
@@ -265,6 +266,7 @@ def test_preemption_resume_equals_uninterrupted(engine_factory, engine, proxy):
                                                             r, sides))
 
 
+@pytest.mark.engine_config("stock")
 def test_control_stock_decode_differs_from_prefill(engine_factory, proxy):
     """Negative control: with stock kernels one-token decode GEMMs and multi-row prefill GEMMs
     round differently on this CPU; if not, the check is inconclusive here. 16 decode steps, not 8:

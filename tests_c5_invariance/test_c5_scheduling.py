@@ -58,7 +58,8 @@ def test_max_batch_size(engine_factory, baseline, max_num_seqs):
                            dict(stats.requests or {}), baseline)
 
 
-@pytest.mark.parametrize("budget", [7, 17, 33])   # the C4 chunking budgets: engines can be reused
+@pytest.mark.parametrize("budget", [7, 17, 33])   # the C4 chunking budgets: one engine for both
+@pytest.mark.engine_config(lambda p: f"max_num_batched_tokens={p['budget']}")
 def test_token_budget(engine_factory, baseline, budget):
     reqs = baseline[0]
     settings = EngineSettings(max_num_batched_tokens=budget)
@@ -82,6 +83,7 @@ def test_arrival_order(engine, baseline, perm):
 
 @pytest.mark.parametrize("feature, flag", [("cuda_graphs", "cuda_graphs"), ("compilation", "compilation"),
                                            ("async_scheduling", "async_scheduling")])
+@pytest.mark.engine_config(lambda p: f"{p['flag']}=on")       # cuda_graphs=on: C10's invariance-on engine too
 def test_engine_modes(engine_factory, engine, baseline, feature, flag):
     """Graphs vs eager, compiled vs not, async vs sync: each varied alone."""
     if not getattr(engine.capabilities(), feature):
