@@ -200,7 +200,7 @@ def test_a_start_out_of_memory_waits_for_other_workers_memory(model_dir):
         with pool.acquire("late", flaky) as e:
             assert e.engine.alive and len(attempts) == 3
         assert [c["kind"] for c in costs.drain()] == ["engine start waited for GPU memory"] * 2 + ["engine start"]
-        with pytest.raises(vipc.EngineOutOfMemory, match=r"tried 3 times, waiting 0 s for other workers' memory"):
+        with pytest.raises(vipc.EngineOutOfMemory, match=r"1 idle engine of this worker closed first; tried 4 times, waiting 0 s for other workers' memory"):
             pool.acquire("never", _engine(model_dir, GIB, fake="oom_start", n=5))
     finally:
         pool.close_all()
