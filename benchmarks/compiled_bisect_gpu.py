@@ -71,22 +71,22 @@ def run(path: Path, *, fake: str | None, fixes: str, dump: Path | None) -> list[
     seqs = sequences(vocab)
     base_env = {"CONFORMANCE_VLLM_FIXES": fixes}
 
-    def logprobs(settings: EngineSettings, tag: str):
+    def logprobs(settings: EngineSettings):
         engine = VLLMEngine(path, settings, fake=fake, log_dir=dump)
         try:
             out = engine.prompt_logprobs(seqs)
-            return out, str(((engine.info or {}).get("vllm_fixes") or {}).get("compiled", "")), engine.log_path
+            return out, str(((engine.info or {}).get("vllm_fixes") or {}).get("compiled", ""))
         finally:
             engine.close()
 
-    want, fixes_eager, _ = logprobs(EngineSettings(compilation=False, cuda_graphs=False, extra={"env": base_env}), "eager")
+    want, fixes_eager = logprobs(EngineSettings(compilation=False, cuda_graphs=False, extra={"env": base_env}))
     rows = [("eager (reference)", "-", f"compiled fix: {fixes_eager}")]
     for label, cc, env in VARIANTS:
         cc = dict(cc)       # (vLLM's debug_dump_path would need depyf, which its wheel does not pull in)
         settings = EngineSettings(compilation=True, cuda_graphs=False,
                                   extra={"env": {**base_env, **env}, "llm_kwargs": {"compilation_config": cc}})
         try:
-            got, status, _ = logprobs(settings, label)
+            got, status = logprobs(settings)
             rows.append((label, compare(want, got), f"compiled fix: {status}"))
         except Exception as exc:       # one variant that cannot start must not hide the others
             rows.append((label, f"did not run: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", ""))

@@ -21,56 +21,61 @@ from fixtures.checks.workloads import assert_same_completion, assert_same_comple
 pytestmark = pytest.mark.C5
 
 
+def run_cold(engine, label: str, reqs):
+    """`reqs` on `engine` from a cold cache: (completions, request id -> that request's side of a
+    comparison (label, the state reached, its trace), the engine's stats)."""
+    reached = start_from(engine, COLD)
+    got = engine.generate(reqs)
+    stats = engine.last_stats()
+    traces = dict(stats.requests or {})
+    return got, {r.request_id: StatedRun(label, reached, traces.get(r.request_id)) for r in reqs}, stats
+
+
+def assert_runs_equal(reqs, got, want, got_runs: dict, want_runs: dict, reopen) -> None:
+    """Each request bitwise, `got` vs `want` (completions in request order); a mismatch states both
+    sides' runs and, where both engines record rows, names the first module whose rows of the
+    request part (both rerun cold through `reopen`, one engine open at a time)."""
+    __tracebackhide__ = True
+    for r, x, y in zip(reqs, got, want):
+        sides = (got_runs[r.request_id], want_runs[r.request_id])
+        assert_same_completion(x, y, lhs=sides[0].label, rhs=sides[1].label, **state_context(*sides),
+                               diagnose=where_runs_part(reopen, reqs, r, sides))
+
+
 @pytest.fixture(scope="module")
 def baseline(engine, proxy):
-    """The mixed workload on the default engine from a cold cache, with each request's trace."""
+    """The mixed workload on the default engine from a cold cache, with each request's run."""
     reqs = mixed_workload(proxy.config.vocab_size)
-    reached = start_from(engine, COLD)
-    want = engine.generate(reqs)
-    traces = dict(engine.last_stats().requests or {})
-    return reqs, want, {r.request_id: StatedRun("default", reached, traces.get(r.request_id)) for r in reqs}
+    return (reqs,) + run_cold(engine, "default", reqs)[:2]
 
 
-def assert_same_as_default(engine_factory, settings: EngineSettings, label: str, got, reached: str, traces: dict,
-                           baseline) -> None:
-    """Each request of `got` (run under `settings`) bitwise vs the default engine's; a mismatch
-    states both sides' steps and, where both engines record rows, names the first module whose
-    rows of the request part (both rerun cold, one engine open at a time)."""
+def assert_same_as_default(engine_factory, settings: EngineSettings, label: str, got, got_runs, baseline) -> None:
     __tracebackhide__ = True
     reqs, want, want_runs = baseline
     reopen = [(label, lambda: engine_factory(settings)), ("default", lambda: engine_factory(EngineSettings()))]
-    by_id = {c.request_id: c for c in want}
-    for r, x in zip(reqs, got):
-        sides = (StatedRun(label, reached, traces.get(r.request_id)), want_runs[r.request_id])
-        assert_same_completion(x, by_id[r.request_id], lhs=label, rhs="default", **state_context(*sides),
-                               diagnose=where_runs_part(reopen, reqs, r, sides))
+    assert_runs_equal(reqs, got, want, got_runs, want_runs, reopen)
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 7])
 def test_max_batch_size(engine_factory, baseline, max_num_seqs):
-    settings = EngineSettings(max_num_seqs=max_num_seqs)
+    settings, label = EngineSettings(max_num_seqs=max_num_seqs), f"max_num_seqs={max_num_seqs}"
     with engine_factory(settings) as e:
-        reached = start_from(e, COLD)
-        got = e.generate(baseline[0])
-        stats = e.last_stats()
+        got, runs, stats = run_cold(e, label, baseline[0])
     assert stats.max_running <= max_num_seqs, f"max_num_seqs={max_num_seqs} not honoured: {stats}"
-    assert_same_as_default(engine_factory, settings, f"max_num_seqs={max_num_seqs}", got, reached,
-                           dict(stats.requests or {}), baseline)
+    assert_same_as_default(engine_factory, settings, label, got, runs, baseline)
 
 
 @pytest.mark.parametrize("budget", [7, 17, 33])   # the C4 chunking budgets: one engine for both
 @pytest.mark.engine_config(lambda p: f"max_num_batched_tokens={p['budget']}")
 def test_token_budget(engine_factory, baseline, budget):
     reqs = baseline[0]
-    settings = EngineSettings(max_num_batched_tokens=budget)
+    settings, label = EngineSettings(max_num_batched_tokens=budget), f"token budget {budget}"
     with engine_factory(settings) as e:
         if not e.capabilities().chunked_prefill and budget < max(len(r.prompt_ids) for r in reqs):
             not_applicable("no chunked prefill, so a budget below the longest prompt is invalid",
                            feature="chunked_prefill")
-        reached = start_from(e, COLD)
-        got = e.generate(reqs)
-        traces = dict(e.last_stats().requests or {})
-    assert_same_as_default(engine_factory, settings, f"token budget {budget}", got, reached, traces, baseline)
+        got, runs, _ = run_cold(e, label, reqs)
+    assert_same_as_default(engine_factory, settings, label, got, runs, baseline)
 
 
 @engine_settings(divisor=8, floor=1)
@@ -90,19 +95,14 @@ def test_engine_modes(engine_factory, engine, baseline, feature, flag):
         not_applicable(f"the engine does not declare {feature}", feature=feature)
     reqs = baseline[0]
     with engine_factory(EngineSettings(**{flag: False})) as off:
-        want, off_traces = off.generate(reqs), dict(off.last_stats().requests or {})
+        want, off_runs, _ = run_cold(off, f"{feature} off", reqs)
     with engine_factory(EngineSettings(**{flag: True})) as on:
-        got = on.generate(reqs)
-        stats = on.last_stats()
+        got, on_runs, stats = run_cold(on, f"{feature} on", reqs)
     if feature == "cuda_graphs":
         assert stats.graph_steps > 0, f"declared CUDA graphs never ran a captured step: {stats}"
     reopen = [(f"{feature} {word}", lambda v=v: engine_factory(EngineSettings(**{flag: v})))
               for word, v in (("on", True), ("off", False))]     # one engine open at a time, as above
-    for r, x, y in zip(reqs, got, want):        # a failure names the step and, with rows, the module
-        sides = (StatedRun(f"{feature} on", COLD, (stats.requests or {}).get(r.request_id)),
-                 StatedRun(f"{feature} off", COLD, off_traces.get(r.request_id)))
-        assert_same_completion(x, y, lhs=sides[0].label, rhs=sides[1].label,
-                               diagnose=where_runs_part(reopen, reqs, r, sides))
+    assert_runs_equal(reqs, got, want, on_runs, off_runs, reopen)
 
 
 def test_several_samples_per_prompt(engine, proxy):

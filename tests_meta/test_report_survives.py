@@ -254,21 +254,21 @@ def test_verdict_rules_for_crashes_oom_and_unfinished_checks():
     assert overall({"m": out, "n": {"C0": type(out["C0"])("C0", "n", "not run")}}, "C0") == "incomplete"
 
 
-def test_b_sigterm_seen_through_xdists_queue_lock_is_one_line(monkeypatch, capsys):
+def test_b_sigterm_seen_through_xdists_queue_lock_is_one_line(capsys):
     """Measured on the H200: SIGTERM landing inside xdist's queue.get surfaced as RuntimeError
     ("release unlocked lock") and pytest printed an INTERNALERROR traceback, exit status 3. After
     our signal an internal error is one line, and the exit status is INTERRUPTED."""
     import types
-    from fixtures.plugin import session as plugin_session
+    from fixtures.plugin.results import ReportCollector
     from fixtures.plugin.state import STATE
     config = types.SimpleNamespace(stash={STATE: {"signalled": 15}})
-    monkeypatch.setattr(plugin_session, "_CONFIG", [config])
+    collector = ReportCollector(config)
     try:
         raise RuntimeError("release unlocked lock")
     except RuntimeError:
         excinfo = pytest.ExceptionInfo.from_current()
-    assert plugin_session.pytest_internalerror(None, excinfo) is True
+    assert collector.pytest_internalerror(None, excinfo) is True
     assert capsys.readouterr().err.strip() == ("run interrupted by signal 15 (RuntimeError: release unlocked lock "
                                                "while xdist waited for its workers)")
     config.stash[STATE]["signalled"] = None
-    assert plugin_session.pytest_internalerror(None, excinfo) is None, "a real internal error keeps its traceback"
+    assert collector.pytest_internalerror(None, excinfo) is None, "a real internal error keeps its traceback"
