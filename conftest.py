@@ -14,7 +14,8 @@ import pytest
 # The plugin's hook modules (fixtures/plugin/session.py says what each does); --plant-fault and
 # --stock-gemm come from fixtures.plugin.faults.
 pytest_plugins = ["fixtures.plugin.session", "fixtures.plugin.options", "fixtures.plugin.collection",
-                  "fixtures.plugin.results", "fixtures.plugin.faults", "fixtures.plugin.scheduling"]
+                  "fixtures.plugin.results", "fixtures.plugin.faults", "fixtures.plugin.scheduling",
+                  "fixtures.plugin.exclusive"]
 
 
 @pytest.fixture(scope="session")

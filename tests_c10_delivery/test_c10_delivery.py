@@ -2,7 +2,8 @@
 workload (fixtures.checks.workloads.RolloutWorkload: --rollout-workload, else the default of the
 implementation's device - 256 prompts x 256 in x 128 out x 4 samples on an accelerator, a few
 seconds' worth on the CPU), after a warm-up, with CUDA graphs on where the engine has them, timed
-by the engine's own clock where it has one (fixtures.checks.throughput). The ratio and what was
+by the engine's own clock where it has one (fixtures.checks.throughput), with no other xdist worker
+running a check meanwhile (fixtures.plugin.exclusive). The ratio and what was
 measured go into the report's metrics; --min-throughput-ratio R makes the ratio a threshold (none
 by default: then the check is that the measurement is sound). C10 passes only when C0-C9 passed
 in the same run - the verdict rule blocks it otherwise - and the run's report carries the table,
@@ -14,28 +15,39 @@ import pytest
 from fixtures.checks.throughput import check_ratio, parse_min_throughput_ratio, throughput_metrics, time_rollout
 from fixtures.checks.workloads import rollout_workload
 from fixtures.core.contract import EngineSettings
+from fixtures.plugin.exclusive import alone
 
 pytestmark = pytest.mark.C10
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=190)
 @pytest.mark.engine_config("cuda_graphs=on")     # C5's CUDA-graph engine is C10's invariance-on engine
 def test_throughput_ratio(engine_factory, proxy, impl, pytestconfig, record_metric):
+    """Both engines started first; then, with the device to this check alone (no other xdist
+    worker runs a check meanwhile: fixtures.plugin.exclusive), each side's warm-up and timed runs."""
     workload = rollout_workload(pytestconfig.getoption("--rollout-workload"), impl.device())
+    minimum = parse_min_throughput_ratio(pytestconfig.getoption("--min-throughput-ratio"))
     vocab = proxy.config.vocab_size
     with engine_factory(EngineSettings(batch_invariant=True)) as probe:
         graphs = bool(probe.capabilities().cuda_graphs)
     extra = {"cuda_graphs": True} if graphs else {}
     measured = {}
-    for invariant in (True, False):
-        with engine_factory(EngineSettings(batch_invariant=invariant, **extra)) as engine:
-            measured[invariant] = time_rollout(engine, workload, vocab, batch_invariant=invariant, cuda_graphs=graphs)
+    with engine_factory(EngineSettings(batch_invariant=True, **extra)) as on_engine, \
+            engine_factory(EngineSettings(batch_invariant=False, **extra)) as off_engine:
+        with alone(pytestconfig) as device:
+            for invariant, engine in ((True, on_engine), (False, off_engine)):
+                measured[invariant] = time_rollout(engine, workload, vocab, batch_invariant=invariant,
+                                                   cuda_graphs=graphs)
     on, off = measured[True], measured[False]
     for name, value in throughput_metrics(workload, on, off).items():
         record_metric(name, value)
+    record_metric("throughput_device", device.describe())
     print(f"C10 workload {workload.describe()}; CUDA graphs {'on' if graphs else 'off'}; invariance on "
-          f"{on.describe()}; off {off.describe()}")
-    check_ratio(on, off, parse_min_throughput_ratio(pytestconfig.getoption("--min-throughput-ratio")), workload)
+          f"{on.describe()}; off {off.describe()}; {device.describe()}")
+    assert minimum is None or device.alone, (
+        f"--min-throughput-ratio {minimum:g} cannot be judged: the timing was not alone on the device "
+        f"({device.describe()}); ratio {on.tokens_per_s / off.tokens_per_s:.3f} as measured")
+    check_ratio(on, off, minimum, workload)
 
 
 def test_report_destination_is_writable(pytestconfig, artifact_dir):

@@ -88,7 +88,7 @@ def fresh_pair(impl, proxy):
     trainer.close()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=100)
 def test_two_rl_steps_stay_exactly_on_policy(fresh_pair, proxy, parity, record_metric):
     engine, trainer = fresh_pair
     vocab = proxy.config.vocab_size

@@ -94,7 +94,7 @@ def test_trainer_reads_logprobs_as_the_engine_samples(engine, trainer):
     assert mine == theirs, f"trainer computes logprobs like vLLM's {mine} runner; the engine runs {theirs}"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=30)
 @pytest.mark.parametrize("layout", list(Layout), ids=lambda l: l.value)
 def test_trainer_equals_engine(engine, trainer, rollouts, layout, micro_batch_tokens, record_metric):
     """The lane's rollout, the trainer in micro-batches of <= micro_batch_tokens tokens; the

@@ -212,6 +212,8 @@ def repeated_batch(proxy):
     return G.repeated_ids_batch(proxy.config.vocab_size)
 
 
+@pytest.mark.slow(seconds=150)       # the float64 reference (H200: 157 s when it ran on the CPU)
+@pytest.mark.shared_setup("c8 float64 reference")
 def test_trainer_grads_within_model_bound(trainer, reference_grads, trainer_loss, trainer_mode, record_metric):
     """The trainer's own forward and backward (custom Functions, fused kernels and all): every
     parameter's gradient within C_MODEL * max(eps, FLOOR_U u) of its scale from the float64 copy."""
@@ -221,6 +223,7 @@ def test_trainer_grads_within_model_bound(trainer, reference_grads, trainer_loss
     assert rep.ok, rep.message()
 
 
+@pytest.mark.shared_setup("c8 float64 reference")
 def test_planted_custom_backward_exceeds_model_bound(trainer, reference_grads, trainer_loss, trainer_mode,
                                                      record_metric):
     """Negative control: a custom autograd Function scaling one projection's weight gradient by

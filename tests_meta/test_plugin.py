@@ -130,7 +130,7 @@ def test_third_gate(): _log("c2")
 @pytest.mark.slow
 def test_rollout_scale(): time.sleep(0.5); _log("c10-slow")
 @pytest.mark.C10
-@pytest.mark.slow
+@pytest.mark.slow(seconds=200)
 def test_throughput(): time.sleep(0.5); _log("c10-slow2")
 @pytest.mark.C10
 def test_quick(): _log("c10")
@@ -152,7 +152,7 @@ def test_one_process_keeps_gate_order(write_suite):
 def test_under_xdist_slow_checks_start_first_one_per_worker(write_suite, workers):
     """xdist hands out checks in collection order, two at a time to start with (the plugin sets
     --maxschedchunk 1): a long check of the last gate would otherwise run alone at the end, and
-    with the default chunking every slow check landed on one worker."""
+    with the default chunking every slow check landed on one worker. Slow checks go longest first."""
     pytest.importorskip("xdist")
     pt = write_suite(ORDER_SUITE)
     assert run(pt, "-n", str(workers), "--upto", "C10").ret == 0
@@ -162,7 +162,8 @@ def test_under_xdist_slow_checks_start_first_one_per_worker(write_suite, workers
     for w, n in order:
         by_worker.setdefault(w, []).append(n)
     if workers == 1:
-        assert order[0][1] == "c10-slow" and [n for _, n in order][:3] == ["c10-slow", "c0", "c10-slow2"], order
+        # the slow checks longest first by their mark's seconds (200 vs the default 60)
+        assert [n for _, n in order][:3] == ["c10-slow2", "c0", "c10-slow"], order
     else:
         assert {ws[0] for ws in by_worker.values()} == {"c10-slow", "c10-slow2"}, by_worker    # one each, first
 

@@ -194,9 +194,10 @@ def test_c2_plain_failure(): assert 1 == 2
 
 
 @pytest.mark.parametrize("xdist", [False, True], ids=["plain", "xdist"])
-def test_c_out_of_memory_is_an_error_not_a_check_failure(suite, xdist):
+def test_c_out_of_memory_is_an_error_not_a_check_failure(suite, xdist, monkeypatch):
     if xdist:
         pytest.importorskip("xdist")
+    monkeypatch.setenv("CONFORMANCE_OOM_WAIT_S", "0")     # the CUDA OOMs are rerun once; nobody frees here
     pt = suite({"tests_c0_inventory/test_oom.py": OOM})
     res = pt.runpytest_inprocess(*ARGS, "--report=rep", *(["-n", "2"] if xdist else []))
     res.assert_outcomes(passed=1, failed=6)
@@ -229,6 +230,71 @@ def test_c_out_of_memory_is_an_error_not_a_check_failure(suite, xdist):
     assert "| C1 | [Proxy model](docs/porting-guide.md#c1) | [ ] fail (0/5, 5 out of memory) |" in md
     assert md.count("**ERROR: OUT OF MEMORY**") == 5
     assert "C1 [llama] note: out of memory: RuntimeError: CUDA out of memory" in res.stdout.str()
+
+
+RERUN = """
+import pytest, torch
+from fixtures.core import gpu_memory
+
+class IdleEngines:
+    # a worker's pool as gpu_memory sees it: 3 GiB kept idle until asked to free everything
+    def __init__(self):
+        self.idle = 3 << 30
+    def memory_report(self):
+        return {"holder": "fake engines", "held": [{"what": "idle engine", "bytes": self.idle, "pid": None,
+                                                     "idle": True}] if self.idle else [], "budget": None}
+    def release_idle(self, need):
+        freed, self.idle = (self.idle, 0) if need is None else (0, self.idle)
+        return freed
+
+HOLDER = IdleEngines()
+gpu_memory.register(HOLDER)
+CALLS = {"once": 0, "always": 0, "host": 0}
+
+@pytest.mark.C1
+def test_oom_once():
+    CALLS["once"] += 1
+    if CALLS["once"] == 1:
+        assert HOLDER.idle == 3 << 30
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.27 GiB. GPU 0 has 2.08 GiB free")
+    assert HOLDER.idle == 0, "the rerun came before this worker's idle engines were freed"
+
+@pytest.mark.C1
+def test_oom_always():
+    CALLS["always"] += 1
+    raise torch.OutOfMemoryError(f"CUDA out of memory (attempt {CALLS['always']}). Tried to allocate 1.00 GiB")
+
+@pytest.mark.C1
+def test_host_memory_error_is_not_rerun():
+    CALLS["host"] += 1
+    raise MemoryError(f"attempt {CALLS['host']}")
+"""
+
+
+def test_a_check_out_of_cuda_memory_is_rerun_once_after_freeing_idle_engines(suite, monkeypatch):
+    """A CUDA OOM of the check's own allocation: this worker's idle engines are freed and the check
+    runs again; it passes if the rerun fits (its costs say so), and is "error: out of memory" with
+    the rerun's message if not. A host MemoryError is not rerun (freeing GPU memory cannot help)."""
+    monkeypatch.setenv("CONFORMANCE_OOM_WAIT_S", "0")
+    pt = suite({"tests_c0_inventory/test_rerun.py": RERUN})
+    res = pt.runpytest_inprocess(*ARGS, "--report=rep")
+    res.assert_outcomes(passed=1, failed=2)
+    checks = _checks(_report(pt)[0])
+    once = checks["test_oom_once"]
+    assert once["outcome"] == "passed" and once["costs"]["rerun after out of GPU memory"]["n"] == 1, once
+    always = checks["test_oom_always"]
+    assert always["outcome"] == "error: out of memory" and "(attempt 2)" in always["reason"], always
+    assert always["costs"]["rerun after out of GPU memory"]["n"] == 1
+    host = checks["test_host_memory_error_is_not_rerun"]
+    assert host["outcome"] == "error: out of memory" and host["reason"].startswith("MemoryError: attempt 1"), host
+    assert "rerun after out of GPU memory" not in (host.get("costs") or {})
+
+
+def test_oom_message_sizes_are_read():
+    from fixtures.core import gpu_memory
+    assert gpu_memory.requested_bytes("CUDA out of memory. Tried to allocate 2.27 GiB. GPU 0 ...") == int(2.27 * (1 << 30))
+    assert gpu_memory.requested_bytes("Tried to allocate 512.00 MiB") == 512 << 20
+    assert gpu_memory.requested_bytes("out of memory") is None
 
 
 def test_verdict_rules_for_crashes_oom_and_unfinished_checks():

@@ -83,6 +83,12 @@ def _note(name):
         f.write(os.environ.get("PYTEST_XDIST_WORKER", "main"))
 
 @pytest.mark.C0
+@pytest.mark.parametrize("j", range(2))
+@pytest.mark.shared_setup("float64 reference")
+def test_c0_shared(j):
+    _note(f"shared-{{j}}")
+
+@pytest.mark.C0
 @pytest.mark.parametrize("b", [1, 2, 3, 4])
 @pytest.mark.engine_config(lambda p: f"budget={{p['b']}}")
 def test_c0_chunked(b):
@@ -98,19 +104,22 @@ def test_c0_budget(b):
 @pytest.mark.parametrize("i", range(8))
 def test_c0_other(i):
     _note(f"other-{{i}}")
+
 """
 
 
 def test_xdist_run_puts_one_configuration_on_one_worker(write_suite, tmp_path):
-    """The plugin wired into a real `-n 2` run: each budget's two checks on one worker."""
+    """The plugin wired into a real `-n 2` run: each budget's two checks on one worker, and the two
+    checks sharing a setup."""
     pytest.importorskip("xdist")
     out = tmp_path / "ran"
     out.mkdir()
     pt = write_suite({"tests_c0_inventory/test_affinity.py": SUITE.format(out=str(out))})
     result = pt.runpytest_subprocess("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider",
                                      "-n", "2", "tests_c0_inventory")
-    result.assert_outcomes(passed=16)
+    result.assert_outcomes(passed=18)
     ran = {p.name: p.read_text() for p in out.iterdir()}
-    assert len(ran) == 16
+    assert len(ran) == 18
     for b in range(1, 5):
         assert ran[f"chunked-{b}"] == ran[f"budget-{b}"], ran
+    assert ran["shared-0"] == ran["shared-1"], ran       # a shared session fixture: one worker too

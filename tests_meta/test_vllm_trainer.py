@@ -125,6 +125,22 @@ def test_c8_model_bound_judges_the_reference_backwards(proxy_dir):
     assert plant.engaged and plant.parameter in bad.violations, bad.message()
 
 
+def test_c8_float64_side_makes_room_on_the_device_and_keeps_its_gradients_off_it(monkeypatch):
+    """On a GPU the float64 copy runs beside the trainer once this worker's idle engines are closed
+    to make room for it, and its kept gradients (a session-long fixture) go to the CPU, float32
+    for a bf16 trainer."""
+    from fixtures.checks import grad_model
+    from fixtures.core import gpu_memory
+    module = torch.nn.Linear(2000, 2000, dtype=torch.bfloat16, device="meta")    # no storage: a stand-in device
+    need = (2000 * 2000 + 2000) * (8 * 2 + 2 * 2) + (1 << 30)
+    rooms = []
+    monkeypatch.setattr(gpu_memory, "fits_this_worker", lambda device, n: bool(rooms) and n == need)
+    monkeypatch.setattr(gpu_memory, "make_room", lambda n=None: rooms.append(n) or 0)
+    got = grad_model.reference_placement(module)
+    assert got == grad_model.Placement(torch.device("meta"), torch.device("cpu"), torch.float32), got
+    assert rooms == [need], rooms
+
+
 @pytest.mark.parametrize("dtype, kept", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
 def test_c8_float64_side_moves_to_the_cpu_when_the_share_is_short(proxy_dir, monkeypatch, dtype, kept):
     """Where the float64 copy and its kept gradients do not fit this worker's GPU share (measured
@@ -138,7 +154,8 @@ def test_c8_float64_side_moves_to_the_cpu_when_the_share_is_short(proxy_dir, mon
     monkeypatch.setattr(gpu_memory, "fits_this_worker", lambda device, need: False)
     trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=dtype, device="cpu")
     module = trainer.module()
-    assert grad_model.reference_placement(module, 2) == (torch.device("cpu"), kept)
+    cpu = torch.device("cpu")
+    assert grad_model.reference_placement(module) == grad_model.Placement(cpu, cpu, kept)
 
     def loss(_model, seqs):
         return -torch.cat([lp.reshape(-1) for lp in trainer.logprobs_with_grad(seqs)]).mean()
