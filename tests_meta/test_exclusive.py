@@ -52,15 +52,18 @@ def test_no_check_of_another_worker_runs_while_one_holds_the_device(write_suite,
     out.mkdir()
     pt = write_suite({"tests_c0_inventory/test_alone.py": SUITE.format(out=str(out))})
     res = pt.runpytest_subprocess("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider",
-                                  "-n", "3", "tests_c0_inventory")
+                                  "-n", "3", "--report=rep", "tests_c0_inventory")
     res.assert_outcomes(passed=42)
+    doc = json.loads((pt.path / "rep" / "report.json").read_text())
+    held = [c for c in doc["checks"] if "held while another check had the device" in (c.get("costs") or {})]
+    assert held, "no check was held (or its wait was not in its costs)"
     logs = {p.stem: json.loads(p.read_text()) for p in out.iterdir()}
-    held = logs.pop("alone")
+    window = logs.pop("alone")
     unasked = logs.pop("unasked")
-    assert held["alone"] is True and held["others"] == 2, held
-    assert "alone: the run's 2 other worker(s) held between checks" in held["describe"], held
-    others = [v for v in logs.values() if v["worker"] != held["worker"]]
-    assert others and not [v for v in others if _overlaps(v, held)], (held, others)
+    assert window["alone"] is True and window["others"] == 2, window
+    assert "alone: the run's 2 other worker(s) held between checks" in window["describe"], window
+    others = [v for v in logs.values() if v["worker"] != window["worker"]]
+    assert others and not [v for v in others if _overlaps(v, window)], (window, others)
     # the negative control: the same block without asking runs beside other workers' checks
     assert [v for v in logs.values() if v["worker"] != unasked["worker"] and _overlaps(v, unasked)], unasked
 

@@ -361,3 +361,24 @@ def test_logprob_step_named_after_equal_logits(llama_dir):
         assert loc is not None and (loc.module, loc.op) == (fault.module, fault.op), loc and loc.describe()
         text = describe_logprob_step(loc, logits, ("engine", "trainer"))
         assert f"positions 0..{len(seq) - 2} compared" in text and "vocabulary id" in text and "ULP" in text, text
+
+
+def test_a_cold_rerun_that_does_not_reproduce_is_said(tmp_path):
+    """The mechanism checks' localisation reruns both engines cold. Where the request's samples come
+    out bit-identical on that rerun, it says the difference did not reproduce (nondeterminism, or a
+    state a cold start lacks), never "the difference arises after the modules". Where they still
+    differ with every module row equal - the control: a planted engine that reports temperature-
+    scaled logprobs, a change after the modules - it says that."""
+    from fixtures.core.contract import Request, SamplingParams
+    from fixtures.diagnose.engine_rows import localise_across
+    from fixtures.models.proxies import build_proxy
+    from fixtures.reference.engine import ReferenceEngine
+    spec = build_proxy("llama", "tiny", tmp_path / "m", seed=0)
+    engine = ReferenceEngine(spec.path)
+    batch = [Request("a", (5, 9, 200, 31), SamplingParams(max_tokens=3, temperature=0.7, seed=3)),
+             Request("b", (44, 45, 46), SamplingParams(max_tokens=2))]
+    same = localise_across([("first", engine), ("second", engine)], batch, "a")
+    assert same.startswith("the difference did not reproduce: rerun cold"), same
+    planted = FAULTS["temperature_scaled_logprobs"].wrap_engine(engine)
+    after = localise_across([("first", engine), ("planted", planted)], batch, "a")
+    assert after.startswith("all ") and "the difference arises after them" in after, after

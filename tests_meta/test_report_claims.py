@@ -41,3 +41,15 @@ def test_time_section_sums_engine_starts_per_check():
     assert "- engine start: 3 taking 38 s" in text
     assert text.index("| `a` | 40.0 | 2 engine starts 30 s |") < text.index("| `c` | 10.0 | 1 engine start 8 s |")
     assert time_section([]) == []
+
+
+def test_time_section_says_where_engine_starts_went():
+    """The engine starts' phases (timed in the worker) summed for the run, and what lies outside them."""
+    from fixtures.plugin.report import time_section
+    checks = [{"nodeid": "a", "gate": "C4", "duration_s": 40.0, "costs": {"engine start": {
+                   "n": 2, "s": 30.0, "parts": {"load weights": 10.0, "profile run": 6.0}}}},
+              {"nodeid": "c", "gate": "C4", "duration_s": 10.0, "costs": {"engine start": {
+                   "n": 1, "s": 8.0, "parts": {"load weights": 5.0, "profile run": 1.0}}}}]
+    text = "\n".join(time_section(checks))
+    assert ("- engine start: 3 taking 38 s; of which load weights 15 s, profile run 7 s; the rest 16 s "
+            "(outside them: process start, imports, waiting)") in text, text

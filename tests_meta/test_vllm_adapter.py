@@ -481,6 +481,11 @@ def test_engines_are_reused_per_configuration(model_dir, monkeypatch, tmp_path):
         starts = [c for c in costs.drain() if c["kind"] == "engine start"]     # the report's time section
         assert [c["what"] for c in starts] == ["default settings", "max_num_seqs=3"], starts
         assert all(c["s"] > 0 for c in starts)
+        # each start's phases, timed in the worker around the steps of vLLM's GPU Worker (the fake's)
+        from fixtures.vllm.start_phases import PHASES
+        for c in starts:
+            assert list(c["parts"]) == list(PHASES.values()) and all(s > 0 for s in c["parts"].values()), c
+            assert sum(c["parts"].values()) < c["s"], c
         first = impl.pool.entries[next(iter(impl.pool.entries))][0]
         with impl.make_engine(model_dir, EngineSettings(max_num_seqs=5)):
             pass
@@ -727,3 +732,28 @@ def test_record_rows_through_the_worker_protocol(model_dir, tmp_path):
         with pytest.raises(NotImplementedError, match="^n/a: rows are recorded"):
             with eng.record_rows("needle"):
                 pass
+
+
+def test_start_phases_time_each_step_and_restore_the_methods():
+    """The timer wraps exactly the GPU Worker's start steps for the block and puts them back."""
+    import time
+    from fixtures.vllm.start_phases import PHASES, timed_phases
+
+    class Steps:
+        def load_model(self, *, load_dummy_weights=False):
+            time.sleep(0.02)
+            return "loaded"
+
+        def determine_available_memory(self):
+            return 7
+
+        def execute_model(self):        # not a start step: never timed
+            return "ran"
+    original = Steps.__dict__["load_model"]
+    with timed_phases(Steps) as spent:
+        w = Steps()
+        assert w.load_model(load_dummy_weights=True) == "loaded" and w.determine_available_memory() == 7
+        assert w.execute_model() == "ran"
+    assert set(spent) == {PHASES["load_model"], PHASES["determine_available_memory"]}, spent
+    assert spent[PHASES["load_model"]] >= 0.02
+    assert Steps.__dict__["load_model"] is original
