@@ -31,6 +31,14 @@ CONFIGS = (("stock (invariance off)", False, "none"),
            ("invariance on + fixes", True, "all"))
 
 
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options `model_dir` reads, and the fake worker backend (also benchmarks/compiled_bisect_gpu.py's)."""
+    ap.add_argument("--model", default="qwen3", help="a recipe name or a model directory (config.json + weights)")
+    ap.add_argument("--proxy", default="shallow", choices=("tiny", "shallow", "full"))
+    ap.add_argument("--proxy-weights", default="files", choices=("files", "engine-dummy"))
+    ap.add_argument("--fake", default=None, help="a fake vLLM worker backend (CPU self-test), e.g. echo")
+
+
 def model_dir(args, tmp: Path) -> Path:
     from fixtures.models.proxies import build_engine_dummy, build_proxy
     given = Path(args.model)
@@ -83,13 +91,10 @@ def table(results: dict[str, list], workload) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3", help="a recipe name or a model directory (config.json + weights)")
-    ap.add_argument("--proxy", default="shallow", choices=("tiny", "shallow", "full"))
-    ap.add_argument("--proxy-weights", default="files", choices=("files", "engine-dummy"))
+    add_model_arguments(ap)
     ap.add_argument("--rollout-workload", default="256,256,128,4", help="PROMPTS,IN,OUT,N as C10's option")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fixes", default="all", help="what the third engine installs (--vllm-fixes spelling)")
-    ap.add_argument("--fake", default=None, help="a fake vLLM worker backend (CPU self-test), e.g. echo")
     args = ap.parse_args(argv)
     from fixtures.checks.workloads import parse_rollout_workload
     from fixtures.vllm.fixes import parse

@@ -94,13 +94,11 @@ def run(path: Path, *, fake: str | None, fixes: str, dump: Path | None) -> list[
 
 
 def main(argv=None) -> int:
+    from benchmarks.c10_side_by_side_gpu import add_model_arguments, model_dir
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3", help="a recipe name or a model directory (config.json + weights)")
-    ap.add_argument("--proxy", default="shallow", choices=("tiny", "shallow", "full"))
-    ap.add_argument("--proxy-weights", default="files", choices=("files", "engine-dummy"))
+    add_model_arguments(ap)
     ap.add_argument("--fixes", default="all", help="--vllm-fixes spelling, for every engine here")
     ap.add_argument("--dump", default=None, help="a folder for vLLM's compile dumps and the worker logs")
-    ap.add_argument("--fake", default=None, help="a fake vLLM worker backend (CPU self-test), e.g. echo")
     args = ap.parse_args(argv)
     from fixtures.vllm.fixes import parse
     try:
@@ -108,7 +106,6 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from benchmarks.c10_side_by_side_gpu import model_dir
     dump = Path(args.dump).resolve() if args.dump else None
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)

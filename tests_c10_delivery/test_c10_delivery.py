@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.checks.throughput import check_ratio, parse_min_throughput_ratio, throughput_metrics, time_rollout
+from fixtures.checks.throughput import (check_ratio, parse_min_throughput_ratio, throughput_metrics, throughput_ratio,
+                                        time_rollout)
 from fixtures.checks.workloads import rollout_workload
 from fixtures.core.contract import EngineSettings
 from fixtures.plugin.exclusive import alone
@@ -46,7 +47,7 @@ def test_throughput_ratio(engine_factory, proxy, impl, pytestconfig, record_metr
           f"{on.describe()}; off {off.describe()}; {device.describe()}")
     assert minimum is None or device.alone, (
         f"--min-throughput-ratio {minimum:g} cannot be judged: the timing was not alone on the device "
-        f"({device.describe()}); ratio {on.tokens_per_s / off.tokens_per_s:.3f} as measured")
+        f"({device.describe()}); ratio {throughput_ratio(on, off):.3f} as measured")
     check_ratio(on, off, minimum, workload)
 
 
