@@ -28,6 +28,21 @@ class _Node:
         return self.gateway.id
 
 
+def test_affinity_keys_come_from_both_marks_per_model():
+    """What a check starts (engine_config, a string or a function of its parameters) or shares
+    (shared_setup) is its key, with its model; a check with neither has none."""
+    def item(params, **marks):
+        found = {name: types.SimpleNamespace(args=(arg,)) for name, arg in marks.items()}
+        return types.SimpleNamespace(callspec=types.SimpleNamespace(params=params),
+                                     get_closest_marker=lambda name: found.get(name))
+    assert S.affinity_key(item({"model_name": "qwen3"}, shared_setup="c8 float64 reference")) == \
+        "qwen3:c8 float64 reference"
+    assert S.affinity_key(item({"model_name": "qwen3", "budget": 7},
+                               engine_config=lambda p: f"max_num_batched_tokens={p['budget']}")) == \
+        "qwen3:max_num_batched_tokens=7"
+    assert S.affinity_key(item({"model_name": "llama"})) is None
+
+
 def test_pick_prefers_own_keys_then_unowned_and_steals_last():
     keys = {0: "m:a", 1: None, 2: "m:b", 3: "m:a", 4: None, 5: "m:b"}
     owner: dict = {}
