@@ -50,42 +50,48 @@ def model_dir(args, tmp: Path) -> Path:
     return build_proxy(args.model, args.proxy, tmp / "proxy", dtype=torch.bfloat16).path
 
 
-def measure(path: Path, workload, *, rounds: int, fake: str | None, fixes_all: str) -> dict[str, list]:
+def measure(path: Path, workload, *, rounds: int, fake: str | None, fixes_all: str,
+            kv_bytes: int | None = None) -> dict[str, list]:
     from fixtures.checks.throughput import time_rollout
     from fixtures.core.contract import EngineSettings
     from fixtures.vllm.client import VLLMEngine
     import json
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
     out: dict[str, list] = {name: [] for name, _, _ in CONFIGS}
+    # one eager start says whether the engine has CUDA graphs; an engine of the three that then
+    # does not run the graphs asked for fails its start (VLLMResolutionError), never a quiet eager run
+    engine = VLLMEngine(path, EngineSettings(batch_invariant=False, extra={"env": {"CONFORMANCE_VLLM_FIXES": "none"}}),
+                        fake=fake)
+    try:
+        graphs = bool(engine.capabilities().cuda_graphs)
+    finally:
+        engine.close()
     for _ in range(rounds):
         for name, invariant, fixes in CONFIGS:
             env = {"CONFORMANCE_VLLM_FIXES": fixes_all if fixes == "all" else "none"}
-            probe = EngineSettings(batch_invariant=invariant, extra={"env": env})
-            engine = VLLMEngine(path, probe, fake=fake)
-            try:
-                graphs = bool(engine.capabilities().cuda_graphs)
-            finally:
-                engine.close()
-            settings = EngineSettings(batch_invariant=invariant, cuda_graphs=True if graphs else None,
-                                      extra={"env": env})
+            extra = {"env": env} | ({"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {})
+            settings = EngineSettings(batch_invariant=invariant, cuda_graphs=True if graphs else None, extra=extra)
             engine = VLLMEngine(path, settings, fake=fake)
             try:
                 out[name].append(time_rollout(engine, workload, vocab, batch_invariant=invariant, cuda_graphs=graphs))
             finally:
                 engine.close()
+            print(f"{name}: {out[name][-1].describe()}", file=sys.stderr, flush=True)    # kept if the run is cut
     return out
 
 
 def table(results: dict[str, list], workload) -> str:
     stock = max(m.tokens_per_s for m in results[CONFIGS[0][0]])
     lines = [f"workload: {workload.describe()}", "",
-             "| engine | tok/s (best of rounds) | every round | ratio to stock | steps / graph replays |",
-             "|---|---|---|---|---|"]
+             "| engine | tok/s (best of rounds) | every round | ratio to stock | steps / graph replays | "
+             "most sequences in a step / preemptions |",
+             "|---|---|---|---|---|---|"]
     for name, _, _ in CONFIGS:
         ms = results[name]
         best = max(ms, key=lambda m: m.tokens_per_s)
         lines.append(f"| {name} | {best.tokens_per_s:,.0f} | {', '.join(f'{m.tokens_per_s:,.0f}' for m in ms)} | "
-                     f"{best.tokens_per_s / stock:.3f} | {best.steps} / {best.graph_steps} |")
+                     f"{best.tokens_per_s / stock:.3f} | {best.steps} / {best.graph_steps} | "
+                     f"{best.max_running} / {best.preemptions} |")
     return "\n".join(lines)
 
 
@@ -95,6 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rollout-workload", default="256,256,128,4", help="PROMPTS,IN,OUT,N as C10's option")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fixes", default="all", help="what the third engine installs (--vllm-fixes spelling)")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="each engine's KV cache (default: the suite's 4 GiB, which holds about 29k tokens of "
+                         "Qwen3-8B at full depth - fewer than the workload's running sequences need)")
     args = ap.parse_args(argv)
     from fixtures.checks.workloads import parse_rollout_workload
     from fixtures.vllm.fixes import parse
@@ -103,12 +112,15 @@ def main(argv=None) -> int:
         parse(args.fixes)
         if args.rounds < 1:
             raise ValueError("--rounds: expected a whole number >= 1")
+        if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
+            raise ValueError("--kv-cache-gib: expected a size in GiB > 0")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(args, Path(tmp))
-        results = measure(path, workload, rounds=args.rounds, fake=args.fake, fixes_all=args.fixes)
+        kv = int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None
+        results = measure(path, workload, rounds=args.rounds, fake=args.fake, fixes_all=args.fixes, kv_bytes=kv)
     print(table(results, workload))
     return 0
 

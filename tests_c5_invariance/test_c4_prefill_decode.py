@@ -265,7 +265,7 @@ def test_preemption_resume_equals_uninterrupted(engine_factory, engine, proxy):
                      StatedRun("uninterrupted", base.state, whole.get(r.request_id)))
             assert_same_completion(x, y, lhs=sides[0].label, rhs=sides[1].label, **state_context(*sides),
                                    diagnose=where_runs_part([("squeezed", small), ("uninterrupted", engine)], batch,
-                                                            r, sides))
+                                                            r, sides, first=(x, y)))
 
 
 @pytest.mark.engine_config("stock")

@@ -39,7 +39,7 @@ def assert_runs_equal(reqs, got, want, got_runs: dict, want_runs: dict, reopen) 
     for r, x, y in zip(reqs, got, want):
         sides = (got_runs[r.request_id], want_runs[r.request_id])
         assert_same_completion(x, y, lhs=sides[0].label, rhs=sides[1].label, **state_context(*sides),
-                               diagnose=where_runs_part(reopen, reqs, r, sides))
+                               diagnose=where_runs_part(reopen, reqs, r, sides, first=(x, y)))
 
 
 @pytest.fixture(scope="module")

@@ -254,4 +254,5 @@ def test_side_by_side_script_runs_three_engines(monkeypatch, capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "tok/s" not in line]
     assert [r.split(" | ")[0] for r in rows] == ["| stock (invariance off)", "| invariance on", "| invariance on + fixes"]
     assert sorted(set(started)) == [(False, "none"), (True, "all"), (True, "none")]
+    assert len(started) == 4, f"one eager probe for CUDA graphs, then one engine per configuration: {started}"
     assert mod.main(["--rounds", "0"]) == 2

@@ -379,6 +379,17 @@ def test_a_cold_rerun_that_does_not_reproduce_is_said(tmp_path):
              Request("b", (44, 45, 46), SamplingParams(max_tokens=2))]
     same = localise_across([("first", engine), ("second", engine)], batch, "a")
     assert same.startswith("the difference did not reproduce: rerun cold"), same
+    assert same.endswith("The reruns started first: cold (prefix cache reset); second: cold (prefix cache reset)"), same
+    # the failing runs' completions given: the side whose first run the rerun does not give is named
+    import dataclasses
+    honest = next(c for c in engine.generate(list(batch)) if c.request_id == "a")
+    moved = honest.samples[0].logprobs.clone()
+    moved.view(torch.int32)[0] += 1
+    odd = dataclasses.replace(honest, samples=[dataclasses.replace(honest.samples[0], logprobs=moved)])
+    told = localise_across([("first", engine), ("second", engine)], batch, "a", first=(honest, odd))
+    assert "; the rerun equals first's first run, not second's: second's first run depended on the state" in told, told
+    told = localise_across([("first", engine), ("second", engine)], batch, "a", first=(honest, honest))
+    assert "; each side's first run equals its rerun. The reruns started" in told, told
     planted = FAULTS["temperature_scaled_logprobs"].wrap_engine(engine)
     after = localise_across([("first", engine), ("planted", planted)], batch, "a")
     assert after.startswith("all ") and "the difference arises after them" in after, after

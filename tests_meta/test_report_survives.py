@@ -4,6 +4,7 @@ what finished, what did not and why, when (a) an xdist worker is killed with SIG
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -99,8 +100,10 @@ import time, pytest
 def test_c0_ok(): pass
 @pytest.mark.C1
 def test_c1_slow():
-    open({marker!r}, "w").write("running")
-    time.sleep(60)
+    from fixtures.core import costs
+    with costs.doing("waiting for a planted hold"):
+        open({marker!r}, "w").write("running")
+        time.sleep(60)
 @pytest.mark.C2
 @pytest.mark.parametrize("i", range(4))
 def test_c2(i): time.sleep(60)
@@ -134,7 +137,10 @@ def test_b_sigterm_to_the_controller_leaves_an_interrupted_report(suite, xdist):
     assert run["exitstatus"] == proc.returncode != 0
     assert checks["test_c0_ok"]["outcome"] == "passed"
     assert checks["test_c1_slow"]["outcome"] == "interrupted"
-    assert checks["test_c1_slow"]["reason"] == "was running when the run stopped: interrupted (signal 15)"
+    # and what it was in: its phase, and the suite's wait it was inside (fixtures.plugin.activity)
+    assert re.fullmatch(r"was running when the run stopped: interrupted \(signal 15\); it was in its call for "
+                        r"\d+ s: waiting for a planted hold \(\d+ s\)", checks["test_c1_slow"]["reason"]), \
+        checks["test_c1_slow"]["reason"]
     c2 = [c for n, c in checks.items() if n.startswith("test_c2")]
     assert len(c2) == 4 and all(c["outcome"] in ("not run", "interrupted") for c in c2)
     assert len(run["not_run"]) >= 2 and all("test_c2[" in n for n in run["not_run"])

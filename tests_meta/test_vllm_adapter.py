@@ -468,9 +468,13 @@ def test_engines_are_reused_per_configuration(model_dir, monkeypatch, tmp_path):
     try:
         with impl.make_engine(model_dir) as e1:
             pid1 = e1.engine.proc.pid
+            assert e1.history() == f"a fresh engine (worker pid {pid1}, nothing generated before)"
             e1.generate(_reqs()[:1])
             with impl.make_engine(model_dir, EngineSettings(enable_prefix_caching=True, cuda_graphs=False)) as e2:
                 assert e2.engine.proc.pid == pid1, "the same configuration must reuse the live engine"
+                # a state line says what a reused engine ran before (C5: an output must not depend on it)
+                assert e2.history() == (f"a reused engine (worker pid {pid1}): lease 2 of this configuration in "
+                                        "its worker, 1 generate() calls before this run"), e2.history()
                 # a made engine starts cold: the shared prefix of request a is not cached any more
                 assert e2.generate([Request("x", _reqs()[0].prompt_ids[:40] + (3,), SamplingParams())])[0] \
                     .num_cached_tokens == 0
@@ -482,9 +486,12 @@ def test_engines_are_reused_per_configuration(model_dir, monkeypatch, tmp_path):
         assert [c["what"] for c in starts] == ["default settings", "max_num_seqs=3"], starts
         assert all(c["s"] > 0 for c in starts)
         # each start's phases, timed in the worker around the steps of vLLM's GPU Worker (the fake's)
-        from fixtures.vllm.start_phases import PHASES
+        # and what the rest is: the engine's set-up around them, the wait for the worker's imports
+        from fixtures.vllm.start_phases import IMPORT_WAIT, OUTSIDE, PHASES
         for c in starts:
-            assert list(c["parts"]) == list(PHASES.values()) and all(s > 0 for s in c["parts"].values()), c
+            assert list(c["parts"]) == list(PHASES.values()) + [OUTSIDE, IMPORT_WAIT], c
+            assert all(c["parts"][p] > 0 for p in PHASES.values()), c
+            assert c["parts"][IMPORT_WAIT] > 0, f"a worker spawned for the start imports on its clock: {c}"
             assert sum(c["parts"].values()) < c["s"], c
         first = impl.pool.entries[next(iter(impl.pool.entries))][0]
         with impl.make_engine(model_dir, EngineSettings(max_num_seqs=5)):
@@ -516,15 +523,28 @@ def test_prespawned_worker_is_used_only_for_its_environment(model_dir, tmp_path,
         pool.refill(vipc.worker_env(EngineSettings(), fake="echo"))
         monkeypatch.setenv("PYTEST_CURRENT_TEST", "this test (call)")
         env = vipc.worker_env(EngineSettings(), fake="echo")
-        spare_pid = pool.spare.proc.pid
-        assert pool.take_spare(vipc.worker_env(EngineSettings(batch_invariant=False), fake="echo")) is None
-        assert pool.spare is not None, "a spare for another environment stays for a later start"
+        off = vipc.worker_env(EngineSettings(batch_invariant=False), fake="echo")
+        spare_pid = pool.spares[vipc.env_key(env)].proc.pid
+        assert pool.take_spare(off) is None
+        assert len(pool.spares) == 1, "a spare for another environment stays for a later start"
         with vclient.VLLMEngine(model_dir, fake="echo", spawned=pool.take_spare(env)) as eng:
-            assert eng.proc.pid == spare_pid and pool.spare is None and pool.spares_used == 1
+            assert eng.proc.pid == spare_pid and not pool.spares and pool.spares_used == 1
             assert eng.generate(_reqs()[:1])[0].request_id == "a"
             assert "# settings:" in eng.log_path.read_text()
-        pool.refill(env)
-        stale = pool.spare
+        # after an invariance-off start the pool keeps a spare for each environment, default first
+        pool.refill(env, off)
+        assert list(pool.spares) == [vipc.env_key(env), vipc.env_key(off)]
+        took = pool.take_spare(off)
+        with vclient.VLLMEngine(model_dir, EngineSettings(batch_invariant=False), fake="echo", spawned=took) as eng:
+            assert eng.proc.pid == took.proc.pid and eng.info["env"]["VLLM_BATCH_INVARIANT"] == "0"
+        # at most MAX_SPARES: a third environment's spare replaces the one not asked for now
+        pool.refill(env, off)
+        third = vipc.worker_env(EngineSettings(extra={"env": {"SOME_KNOB": "1"}}), fake="echo")
+        displaced = pool.spares[vipc.env_key(off)]
+        pool.refill(env, third)
+        assert list(pool.spares) == [vipc.env_key(env), vipc.env_key(third)]
+        displaced.proc.wait(timeout=30)
+        stale = pool.take_spare(env)
         with vclient.VLLMEngine(model_dir, EngineSettings(batch_invariant=False), fake="echo", spawned=stale) as eng:
             assert eng.proc.pid != stale.proc.pid and eng.info["env"]["VLLM_BATCH_INVARIANT"] == "0"
         assert stale.proc.poll() is not None, "a spare handed to the wrong environment is discarded"
@@ -757,3 +777,28 @@ def test_start_phases_time_each_step_and_restore_the_methods():
     assert set(spent) == {PHASES["load_model"], PHASES["determine_available_memory"]}, spent
     assert spent[PHASES["load_model"]] >= 0.02
     assert Steps.__dict__["load_model"] is original
+
+
+def test_the_next_start_imports_during_this_one(model_dir, tmp_path, monkeypatch):
+    """The spare worker for the next engine start is spawned when a start begins, not after it
+    ends: on the H200 a worker's vLLM import took ~25 s, so a spare spawned after a check's first
+    start was not ready for its second. The second start then runs on it."""
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
+    impl = vimpl.VLLMImplementation(fake="echo", max_idle=2)
+    impl.pool.prespawn = True           # off for fake workers by default
+    refilled_with = []
+    real_refill = impl.pool.refill
+
+    def spy(*envs):
+        refilled_with.append(len(impl.pool.entries))
+        real_refill(*envs)
+    monkeypatch.setattr(impl.pool, "refill", spy)
+    try:
+        with impl.make_engine(model_dir):
+            pass
+        assert refilled_with == [0], "the spare is spawned before the first engine exists"
+        spare = impl.pool.spares[vipc.env_key(vipc.worker_env(EngineSettings(), fake="echo"))]
+        with impl.make_engine(model_dir, EngineSettings(max_num_seqs=3)) as second:
+            assert second.engine.proc.pid == spare.proc.pid and impl.pool.spares_used == 1
+    finally:
+        impl.pool.close_all()
