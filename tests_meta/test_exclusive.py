@@ -94,3 +94,10 @@ def test_a_worker_still_busy_after_the_wait_is_said(tmp_path, monkeypatch):
     assert not device.alone and device.still_busy == ["gw1"], device
     assert device.describe().startswith("SHARED: gw1 still running a check"), device.describe()
     assert not (tmp_path / "alone-machine.lock").exists()
+    # a neighbour that starts during the block (it waits at most HELD_MAX_S for a hold): shared too
+    (tmp_path / "busy-machine-gw1").unlink()
+    with exclusive.alone(config, wait_s=0.5) as device:
+        assert device.alone
+        (tmp_path / "busy-machine-gw1").write_text(str(os.getpid()))
+    assert not device.alone and device.during and device.still_busy == ["gw1"], device
+    assert device.describe().startswith("SHARED: gw1 started a check during the timing"), device.describe()
