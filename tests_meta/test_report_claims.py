@@ -52,4 +52,4 @@ def test_time_section_says_where_engine_starts_went():
                    "n": 1, "s": 8.0, "parts": {"load weights": 5.0, "profile run": 1.0}}}}]
     text = "\n".join(time_section(checks))
     assert ("- engine start: 3 taking 38 s; of which load weights 15 s, profile run 7 s; the rest 16 s "
-            "(outside them: process start, imports, waiting)") in text, text
+            "(outside them: the client, the pipe, the suite's probes, retries)") in text, text
