@@ -3,6 +3,7 @@ planted wrong one with a message that stands alone; ops_without_backward tells a
 backward from one without, on synthetic ops; the determinism checks see nondeterminism."""
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -328,3 +329,28 @@ def test_optimizer_nondeterminism_and_no_change_detected(monkeypatch):
     monkeypatch.setitem(G.OPTIMIZERS, "frozen", lambda ps, fe: torch.optim.SGD(ps, lr=0.0, foreach=fe))
     with pytest.raises(AssertionError, match="no parameter changed"):
         G.optimizer_steps_deterministic(params, res.grads, "frozen")
+
+
+def test_float64_reference_batches_its_experts():
+    """The float64 copy of an MoE module runs transformers' batched experts (eager's per-expert
+    indexing writes a whole-stack zero gradient per expert: a qwen3_moe shallow reference never left
+    C8's setup on the H200), the trainer-dtype copy keeps eager, and both float64 implementations
+    give the same gradients to float64 rounding - the switch changes the cost, not the reference."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from fixtures.checks import grad_model
+    cfg = Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(0)
+    module = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    batch = grad_model.seeded_batches(cfg.vocab_size, seeds=(0,))[0]
+    m64, m16 = grad_model.stock_copy(module, torch.float64), grad_model.stock_copy(module, torch.bfloat16)
+    assert (m64.config._experts_implementation, m16.config._experts_implementation) == ("batched_mm", "eager")
+    eager64 = grad_model.stock_copy(module, torch.float64)
+    eager64.set_experts_implementation("eager")
+    got, want = (G.model_grads(m, batch, loss_fn=grad_model.alone_loss, kernel_mode=contextlib.nullcontext).grads
+                 for m in (m64, eager64))
+    experts = [n for n in want if "experts" in n]
+    assert experts and set(got) == set(want)
+    for n in want:
+        assert torch.allclose(got[n], want[n], rtol=0, atol=1e-13 * float(want[n].abs().max())), n

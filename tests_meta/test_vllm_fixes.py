@@ -288,3 +288,42 @@ def test_compiled_bisect_script_names_the_variants_that_differ(monkeypatch, caps
     for label in ("compiled (C5)", "inductor, emulate_precision_casts off", "inductor, division rounded as eager"):
         assert "**1 of" in rows[label] and "max 1 ULP" in rows[label] and "seq 1 (len 7) pos 3: 0x" in rows[label], rows[label]
     assert mod.main(["--fixes", "bogus", "--fake", "echo"]) == 2
+
+
+def test_engine_history_script_sees_a_state_dependent_engine(monkeypatch, capsys):
+    """benchmarks/engine_history_gpu.py on the fake worker: with every engine's output moved 1 ULP
+    once it has served a first generate() (a planted history dependence), each configuration's
+    'second' and 'after history' rows must report the difference with hex values and ULP distance,
+    while a second fresh engine's first run stays equal; unplanted, every row is equal."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_history_gpu.py"
+    spec = importlib.util.spec_from_file_location("engine_history_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = ["--model", "qwen3", "--proxy", "tiny", "--fake", "echo"]
+
+    def rows_of(out):
+        return [r.split(" | ") for r in out.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    assert mod.main(args) == 0
+    clean = rows_of(capsys.readouterr().out)
+    assert clean and all("equal" in r[3] for r in clean if len(r) > 3 and r[3]), clean
+    from fixtures.vllm import client
+    real = client.VLLMEngine.generate
+
+    def planted(self, requests):
+        out = real(self, requests)
+        served = self.__dict__.setdefault("_served", 0)
+        self._served = served + 1
+        if served:
+            s = out[0].samples[0]
+            s.logprobs = s.logprobs.clone()
+            s.logprobs[0] = torch.nextafter(s.logprobs[0], torch.tensor(float("inf")))
+        return out
+    monkeypatch.setattr(client.VLLMEngine, "generate", planted)
+    assert mod.main(args) == 0
+    rows = {(r[0][2:], r[1]): r for r in rows_of(capsys.readouterr().out)}
+    for name, _ in mod.CONFIGS:
+        for run in ("second", "after history"):
+            assert "**1 differ**" in rows[(name, run)][3] and "1 ULP" in rows[(name, run)][3], rows[(name, run)]
+        assert rows[(name, "first, not recorded (a second fresh engine)")][3] == "equal"
+    assert mod.main(["--fixes", "bogus", "--fake", "echo"]) == 2
