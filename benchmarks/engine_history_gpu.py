@@ -122,8 +122,8 @@ def probe(path: Path, vocab: int, *, fake: str | None, fixes: str, configs=CONFI
     for name, (out, rows) in list(firsts.items())[1:]:
         n, where = differences(out, base_out)
         module = base_rows.first_divergence(rows, names=(configs[0][0], name)) if n else None
-        rows_out.append((f"{name} vs {configs[0][0]}", "first runs", "", "equal" if not n else f"**{n} differ**: {where}",
-                         module or ""))
+        verdict = "equal" if not n else f"**{n} differ**: {where}"
+        rows_out.append((f"{name} vs {configs[0][0]}", "first runs", "", verdict, module or ""))
     return rows_out
 
 

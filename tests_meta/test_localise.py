@@ -387,7 +387,8 @@ def test_a_cold_rerun_that_does_not_reproduce_is_said(tmp_path):
     moved.view(torch.int32)[0] += 1
     odd = dataclasses.replace(honest, samples=[dataclasses.replace(honest.samples[0], logprobs=moved)])
     told = localise_across([("first", engine), ("second", engine)], batch, "a", first=(honest, odd))
-    assert "; the rerun equals first's first run, not second's: second's first run depended on the state" in told, told
+    assert ("; the rerun equals first's first run, not second's: second's first run depended on something "
+            "its rerun lacked") in told, told
     told = localise_across([("first", engine), ("second", engine)], batch, "a", first=(honest, honest))
     assert "; each side's first run equals its rerun. The reruns started" in told, told
     planted = FAULTS["temperature_scaled_logprobs"].wrap_engine(engine)
