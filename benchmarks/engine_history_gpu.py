@@ -88,10 +88,11 @@ def probe(path: Path, vocab: int, *, fake: str | None, fixes: str, configs=CONFI
     def cold(engine, record: bool):
         engine.reset_prefix_cache()
         if not record:
-            return engine.generate(reqs), None
-        with engine.record_rows(WATCHED) as rows:
-            out = engine.generate(reqs)
-        return out, rows
+            out, rows = engine.generate(reqs), None
+        else:
+            with engine.record_rows(WATCHED) as rows:
+                out = engine.generate(reqs)
+        return out, rows, first_step(engine)
 
     for name, knobs in configs:
         settings = EngineSettings(batch_invariant=True, extra={"env": {"CONFORMANCE_VLLM_FIXES": fixes}}, **knobs)
@@ -111,19 +112,20 @@ def probe(path: Path, vocab: int, *, fake: str | None, fixes: str, configs=CONFI
             engine.close()
         first_out, first_rows = runs[0][1], runs[0][2]
         firsts[name] = (first_out, first_rows)
-        for label, out, rows in runs:
+        for label, out, rows, step in runs:
             n, where = differences(out, first_out)
             module = first_rows.first_divergence(rows, names=("first", label)) if rows is not None and n else None
             rows_out.append((name, label, watched_bits(out), "equal" if not n else f"**{n} differ**: {where}",
-                             module or ("" if not n else "(w0's recorded rows equal)" if rows is not None else "")))
-        rows_out.append((name, f"(engine history at the end: {history})", "", "", ""))
+                             module or ("" if not n else "(w0's recorded rows equal)" if rows is not None else ""),
+                             step))
+        rows_out.append((name, f"(engine history at the end: {history})", "", "", "", ""))
         print(f"{name}: done", file=sys.stderr, flush=True)
     base_out, base_rows = firsts[configs[0][0]]
     for name, (out, rows) in list(firsts.items())[1:]:
         n, where = differences(out, base_out)
         module = base_rows.first_divergence(rows, names=(configs[0][0], name)) if n else None
         verdict = "equal" if not n else f"**{n} differ**: {where}"
-        rows_out.append((f"{name} vs {configs[0][0]}", "first runs", "", verdict, module or ""))
+        rows_out.append((f"{name} vs {configs[0][0]}", "first runs", "", verdict, module or "", ""))
     return rows_out
 
 
@@ -138,9 +140,15 @@ def hold(gib: float):
     return held
 
 
+def first_step(engine) -> str:
+    """'N steps, the first of T tokens' of the engine's last generate() (what shared w0's step)."""
+    tokens = list(engine.last_stats().step_tokens or [])
+    return f"{len(tokens)} steps, the first of {tokens[0]} tokens" if tokens else "(no step trace)"
+
+
 def table(rows) -> str:
-    lines = ["| engine | run | w0 token 0 logprob | vs the engine's first run | first diverging module of w0 |",
-             "|---|---|---|---|---|"]
+    lines = ["| engine | run | w0 token 0 logprob | vs the engine's first run | first diverging module of w0 | steps |",
+             "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
