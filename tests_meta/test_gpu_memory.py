@@ -298,6 +298,19 @@ def test_breakdown_marks_this_workers_processes(monkeypatch):
     del h
 
 
+@pytest.mark.parametrize("numprocesses, pinned, want", [(4, False, 4), (None, False, 1), (0, False, 1), (4, True, 1)])
+def test_the_controller_counts_its_workers_as_gpu_sharers(monkeypatch, numprocesses, pinned, want):
+    """The header comes from the xdist controller, which is no worker: under -n 4 its memory
+    budget must say 4 workers share the GPU (an H200 run's said 1); pinned, each worker counts."""
+    from types import SimpleNamespace
+    from fixtures.plugin import session
+    config = SimpleNamespace(option=SimpleNamespace(numprocesses=numprocesses),
+                             getoption=lambda name: pinned if name == "--gpu-per-worker" else None)
+    session._count_gpu_sharers(config)
+    assert gpu_memory.workers_sharing_gpu() == want
+    assert gpu_memory.budget_from("0.8").workers == want
+
+
 def test_pinned_workers_export_how_many_share_their_gpu(monkeypatch):
     from fixtures.plugin import session
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
