@@ -220,6 +220,10 @@ def test_trainer_grads_within_model_bound(trainer, reference_grads, trainer_loss
     rep = G.check_model_grads(trainer.module(), reference_grads, trainer_loss, kernel_mode=trainer_mode)
     record_metric("C8 model grad eps of the stock run (u)", reference_grads.eps_stock / reference_grads.u)
     record_metric("C8 model grad max ratio", rep.max_ratio)
+    own = rep.own_ratios()
+    if own:
+        worst = max(own, key=own.get)
+        record_metric("C8 model grad max ratio to the parameter's own stock error", f"{own[worst]:.3g} at {worst}")
     assert rep.ok, rep.message()
 
 
@@ -234,6 +238,7 @@ def test_planted_custom_backward_exceeds_model_bound(trainer, reference_grads, t
                                   planted=f"{plant.plant.name} at {plant.parameter}")
     assert plant.engaged, plant.never_ran()
     record_metric("C8 planted projection ratio", rep.ratios.get(plant.parameter, 0.0))
+    record_metric("C8 planted projection ratio to its own stock error", rep.own_ratios().get(plant.parameter, 0.0))
     assert plant.parameter in rep.violations, (
         f"planted wrong custom backward ({plant.plant.doc}) stayed within the model-level bound: it is too "
         f"loose to see it\n{rep.message()}")
