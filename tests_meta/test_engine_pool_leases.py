@@ -58,8 +58,9 @@ def test_a_push_moves_the_other_leases_to_an_engine_of_their_own(impl, model_dir
     assert impl.pool.open_leases == []
 
 
-def test_the_pushing_lease_keeps_its_engine_and_state(impl, model_dir):
-    """The pusher is never moved: C9 checks the prefix cache as the push left it."""
+def test_the_pushing_lease_keeps_its_engine(impl, model_dir):
+    """The pusher is never moved (C9 checks the prefix cache as the push left it, so the pusher
+    must stay on the engine it pushed into)."""
     session = impl.make_engine(model_dir)
     pusher = impl.make_engine(model_dir)
     proc = pusher.engine.proc
