@@ -200,10 +200,13 @@ def test_planted_backward_exceeds_bound(planted, kernel_mode, record_metric):
 # determinism on a realistic batch, two identical train steps (fixtures.checks.grad_model)
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def reference_grads(trainer, proxy):
+def reference_grads(trainer, proxy, trainer_loss, trainer_mode):
     """float64 gradients of a copy of the trainer's module on C8's seeded batches, and eps: how far
-    a stock run in the trainer's dtype lands from them (the calibration of the model-level bound)."""
-    return G.reference_grads(trainer.module(), G.seeded_batches(proxy.config.vocab_size))
+    a stock run in the trainer's dtype lands from them (the calibration of the model-level bound).
+    A mixture of experts: both runs take the trainer's own expert choices (fixtures.checks.grad_routing)."""
+    module, batches = trainer.module(), G.seeded_batches(proxy.config.vocab_size)
+    return G.reference_grads(module, batches, routing_of=lambda stock: G.trainer_routing(
+        trainer, module, stock, batches, loss_fn=trainer_loss, trainer_mode=trainer_mode, stock_loss=G.alone_loss))
 
 
 @pytest.fixture(scope="session")
