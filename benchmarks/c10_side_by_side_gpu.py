@@ -13,6 +13,7 @@ run: other work on the device skews tok/s).
 
     VLLM_USE_FLASHINFER_SAMPLER=0 python benchmarks/c10_side_by_side_gpu.py --model qwen3 --proxy shallow
     ... --model qwen3 --proxy full --proxy-weights engine-dummy        # full depth, vLLM's dummy weights
+    ... --profile-top 15                                                # + each engine's top kernels by device time
     ... --fake echo                                                     # the script itself, on the CPU
 
 Prints one table (markdown) and exits 0; 2 on bad arguments.
@@ -51,7 +52,9 @@ def model_dir(args, tmp: Path) -> Path:
 
 
 def measure(path: Path, workload, *, rounds: int, fake: str | None, fixes_all: str,
-            kv_bytes: int | None = None) -> dict[str, list]:
+            kv_bytes: int | None = None, profile_top: int = 0, profiles: dict | None = None) -> dict[str, list]:
+    """Each engine's Throughput per round; with `profile_top`, `profiles[name]` gets its kernels by
+    device time from one more (untimed) rollout of the last round (fixtures.vllm.kernel_profile)."""
     from fixtures.checks.throughput import time_rollout
     from fixtures.core.contract import EngineSettings
     from fixtures.vllm.client import VLLMEngine
@@ -74,6 +77,8 @@ def measure(path: Path, workload, *, rounds: int, fake: str | None, fixes_all: s
             engine = VLLMEngine(path, settings, fake=fake)
             try:
                 out[name].append(time_rollout(engine, workload, vocab, batch_invariant=invariant, cuda_graphs=graphs))
+                if profile_top and profiles is not None:
+                    profiles[name] = engine.kernel_profile(workload.requests(vocab, run=1), top=profile_top)
             finally:
                 engine.close()
             print(f"{name}: {out[name][-1].describe()}", file=sys.stderr, flush=True)    # kept if the run is cut
@@ -101,6 +106,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rollout-workload", default="256,256,128,4", help="PROMPTS,IN,OUT,N as C10's option")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fixes", default="all", help="what the third engine installs (--vllm-fixes spelling)")
+    ap.add_argument("--profile-top", type=int, default=0,
+                    help="after the timed runs, one more rollout per engine under the profiler: its N kernels by "
+                         "device time (what limits the fixed engine against stock)")
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="each engine's KV cache (default: the suite's 4 GiB, which holds about 29k tokens of "
                          "Qwen3-8B at full depth - fewer than the workload's running sequences need)")
@@ -112,6 +120,8 @@ def main(argv=None) -> int:
         parse(args.fixes)
         if args.rounds < 1:
             raise ValueError("--rounds: expected a whole number >= 1")
+        if args.profile_top < 0:
+            raise ValueError("--profile-top: expected a whole number >= 0")
         if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
             raise ValueError("--kv-cache-gib: expected a size in GiB > 0")
     except ValueError as exc:
@@ -120,8 +130,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(args, Path(tmp))
         kv = int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None
-        results = measure(path, workload, rounds=args.rounds, fake=args.fake, fixes_all=args.fixes, kv_bytes=kv)
+        profiles: dict = {}
+        results = measure(path, workload, rounds=args.rounds, fake=args.fake, fixes_all=args.fixes, kv_bytes=kv,
+                          profile_top=args.profile_top, profiles=profiles)
     print(table(results, workload))
+    from fixtures.vllm.kernel_profile import table as kernel_table
+    for name, profile in profiles.items():
+        print("\n" + kernel_table(name, profile))
     return 0
 
 

@@ -256,3 +256,29 @@ def test_side_by_side_script_runs_three_engines(monkeypatch, capsys):
     assert sorted(set(started)) == [(False, "none"), (True, "all"), (True, "none")]
     assert len(started) == 4, f"one eager probe for CUDA graphs, then one engine per configuration: {started}"
     assert mod.main(["--rounds", "0"]) == 2
+
+
+def test_side_by_side_profiles_each_engine_after_its_timed_runs(capsys):
+    """--profile-top: one more rollout per engine under the profiler, its kernels by device time
+    printed per engine (the fake worker's two canned kernels); a negative count is a usage error."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "c10_side_by_side_gpu.py"
+    spec = importlib.util.spec_from_file_location("c10_side_by_side_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--model", "qwen3", "--proxy", "tiny", "--fake", "echo", "--rollout-workload", "8,16,16,2",
+                     "--rounds", "1", "--profile-top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("ms of device time in 2 kernels") == 3, out
+    assert out.count("| `fake_gemm_kernel` | 40 | 0.3 | 75.0% |") == 3 and "fake_norm_kernel" not in out, out
+    assert mod.main(["--profile-top", "-1"]) == 2
+
+
+def test_kernel_ranking_orders_by_device_time_and_counts_every_kernel():
+    from types import SimpleNamespace as E
+    from fixtures.vllm.kernel_profile import rank_kernels
+    events = [E(key="a", count=3, self_device_time_total=5.0), E(key="b", count=1, self_device_time_total=50.0),
+              E(key="cpu_op", count=9, self_device_time_total=0.0), E(key="c", count=2, self_cuda_time_total=7.0)]
+    got = rank_kernels(events, top=2)
+    assert got == {"top": [["b", 1, 50.0], ["c", 2, 7.0]], "total_us": 62.0, "kernels": 3}
