@@ -79,6 +79,8 @@ def measure(path: Path, workload, *, rounds: int, fake: str | None, fixes_all: s
                 out[name].append(time_rollout(engine, workload, vocab, batch_invariant=invariant, cuda_graphs=graphs))
                 if profile_top and profiles is not None:
                     profiles[name] = engine.kernel_profile(workload.requests(vocab, run=1), top=profile_top)
+                    from fixtures.vllm.kernel_profile import table as kernel_table
+                    print(kernel_table(name, profiles[name]), file=sys.stderr, flush=True)
             finally:
                 engine.close()
             print(f"{name}: {out[name][-1].describe()}", file=sys.stderr, flush=True)    # kept if the run is cut

@@ -345,3 +345,26 @@ def test_v2_whole_rows_hand_the_kernel_a_dense_id_array():
     ops.sampler, ops._logprobs = "v2", dense_only_kernel
     logits = torch.randn(5, 11)
     assert torch.equal(ops.vocab_logprobs(logits), torch.log_softmax(logits.float(), -1))
+
+
+def test_c8_reads_the_same_expert_choices_from_router_logits_as_from_the_forward(tmp_path):
+    """C8's routing replay (fixtures.checks.grad_routing) has two sources for this trainer: on the
+    CPU its forward is the references (torch.topk, source 1); on the GPU vLLM's fused_topk, which
+    leaves only its recorded `*.mlp.gate` logits (source 2). Both give the same choices."""
+    import contextlib
+    from fixtures.checks import grad_checks as G
+    d = P.build_proxy("qwen3_moe", "tiny", tmp_path / "moe", seed=3).path
+    trainer = VT.EngineKernelTrainer(d, VO.ReferenceOps, dtype=torch.float32, device="cpu")
+    module = trainer.module()
+    batches = G.seeded_batches(trainer.model.config.vocab_size, seeds=(0,))
+    stock = G.stock_copy(module, torch.float32)
+
+    def loss(_model, seqs):
+        return -torch.cat([lp.reshape(-1) for lp in trainer.logprobs_with_grad(seqs)]).mean()
+    forward = G.trainer_routing(trainer, module, stock, batches, loss_fn=loss, trainer_mode=contextlib.nullcontext,
+                                stock_loss=G.alone_loss)
+    logits = G.trainer_routing(trainer, module, stock, batches, trainer_mode=contextlib.nullcontext,
+                               loss_fn=lambda m, s: torch.zeros((), requires_grad=True), stock_loss=G.alone_loss)
+    assert "forward's top-k" in forward.source and "router logits" in logits.source, (forward, logits)
+    pairs = [(a, b) for fs, ls in zip(forward.batches[0], logits.batches[0]) for a, b in zip(fs, ls)]
+    assert pairs and all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in pairs)
