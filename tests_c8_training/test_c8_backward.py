@@ -222,6 +222,8 @@ def test_trainer_grads_within_model_bound(trainer, reference_grads, trainer_loss
     parameter's gradient within C_MODEL * max(eps, FLOOR_U u) of its scale from the float64 copy."""
     rep = G.check_model_grads(trainer.module(), reference_grads, trainer_loss, kernel_mode=trainer_mode)
     record_metric("C8 model grad eps of the stock run (u)", reference_grads.eps_stock / reference_grads.u)
+    if reference_grads.routing:          # a mixture of experts: whose choices the float64 and stock runs took
+        record_metric("C8 expert routing", reference_grads.routing)
     record_metric("C8 model grad max ratio", rep.max_ratio)
     own = rep.own_ratios()
     if own:

@@ -52,3 +52,22 @@ def test_the_suites_tile_gemm_stays_row_invariant_under_it():
         rows = torch.cat([K.linear(x[i:i + 1], w) for i in range(x.shape[0])])
         part = K.linear(x[3:41], w)
     assert torch.equal(full, rows) and torch.equal(full[3:41], part)
+
+
+def test_a_stock_row_depends_on_its_place_in_a_call():
+    """The tail of a call (past its last whole micro-kernel group) rounds otherwise: a fixed tile
+    height, which keeps the call shape, does not keep a row's bits where the row moves in the tile."""
+    x, w = _xw(rows=32, k=16, n=24)
+    with ShapeVariantStockGEMM():
+        tile = torch.nn.functional.linear(x, w)
+        moved = torch.nn.functional.linear(torch.cat([x[31:], x[:31]]), w)
+    assert torch.equal(tile[5], moved[6]), "the same row in the head of the call keeps its bits"
+    assert not torch.equal(tile[31], moved[0]), "a row moved out of the tail must change"
+
+
+def test_the_suites_tile_gemm_ignores_a_rows_place():
+    x, w = _xw(rows=40, k=48, n=40)
+    with ShapeVariantStockGEMM():
+        got = K.linear(x, w)
+        rotated = K.linear(torch.cat([x[7:], x[:7]]), w)
+    assert torch.equal(torch.cat([got[7:], got[:7]]), rotated)
