@@ -17,8 +17,11 @@ import torch
 
 from fixtures.core.comparison import BitwiseMismatch, assert_bitwise
 from fixtures.faults.catalog import FAULTS
+from fixtures.faults.variants import blocked_mean, split_k_mm
 from fixtures.diagnose.localise import Rows, localise
 from fixtures.models.proxies import build_proxy, load_model
+
+aten = torch.ops.aten
 
 try:
     from fixtures.reference.invariant_mode import batch_invariant_mode
@@ -100,6 +103,29 @@ def test_demonstration_names_the_planted_op(llama, batch, name, module, op):
                            lhs_name="alone", rhs_name="in batch", localise=loc.describe)
     msg = str(err.value)
     assert f"first diverging op: {module}: {op}" in msg, msg
+
+
+_EXACT_VARIANTS = {   # name: (the planted variant at `rows` rows, the stock op it replaces)
+    "blocked_mean": (lambda x: blocked_mean(aten.mean.dim, (x, [-1], True), {}, min_rows=256),
+                     lambda x: x.mean(-1, keepdim=True)),
+    "split_k_mm": (lambda x: split_k_mm(aten.mm.default, (x, torch.eye(x.shape[1])), {}, min_rows=256),
+                   lambda x: x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_EXACT_VARIANTS))
+def test_a_planted_variant_moves_every_row_it_touches(name):
+    """Rows whose reordered sum is exact (all ones, an identity GEMM) round alike in any order - as
+    some rows of real data do under some CPU's stock order: the plant still moves each of them, so
+    a fault fires on every CPU (a CI machine once saw a blocked mean agree on every needle token);
+    below its threshold it is the stock op, bit for bit."""
+    variant, stock = _EXACT_VARIANTS[name]
+    x = torch.ones(300, 64)
+    out = variant(x)
+    assert out.shape == stock(x).shape
+    assert bool((out != stock(x)).any(-1).all()), "a row of the planted variant rounded like the stock op"
+    below = torch.ones(255, 64)
+    assert torch.equal(variant(below), stock(below))
 
 
 def test_stock_gemm_control_diverges_at_the_first_matmul(llama, batch):
