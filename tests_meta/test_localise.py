@@ -17,6 +17,7 @@ import torch
 
 from fixtures.core.comparison import BitwiseMismatch, assert_bitwise
 from fixtures.faults.catalog import FAULTS
+from fixtures.faults.stock_variance import ShapeVariantStockGEMM
 from fixtures.faults.variants import blocked_mean, split_k_mm
 from fixtures.diagnose.localise import Rows, localise
 from fixtures.models.proxies import build_proxy, load_model
@@ -109,7 +110,7 @@ _EXACT_VARIANTS = {   # name: (the planted variant at `rows` rows, the stock op 
     "blocked_mean": (lambda x: blocked_mean(aten.mean.dim, (x, [-1], True), {}, min_rows=256),
                      lambda x: x.mean(-1, keepdim=True)),
     "split_k_mm": (lambda x: split_k_mm(aten.mm.default, (x, torch.eye(x.shape[1])), {}, min_rows=256),
-                   lambda x: x),
+                   lambda x: torch.mm(x, torch.eye(x.shape[1]))),
 }
 
 
@@ -129,17 +130,12 @@ def test_a_planted_variant_moves_every_row_it_touches(name):
 
 
 def test_stock_gemm_control_diverges_at_the_first_matmul(llama, batch):
-    """Without the invariant mode, stock fp32 CPU GEMM changes row bits with the row count (measured
-    multi-threaded; single-threaded it may not): the first op to part is the first projection."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    """Without the invariant mode a stock GEMM may round a row by the call's row count: MKL does on
+    some CPUs and not on others, so the variance is planted (ShapeVariantStockGEMM) and the control
+    fires on every CPU; the first op to part is then the first projection."""
+    with ShapeVariantStockGEMM():
         loc = needle_vs_batch(llama, batch, invariant=False)
-    finally:
-        torch.set_num_threads(threads)
-    if loc is None:
-        pytest.skip("inconclusive on this hardware: stock fp32 GEMM (2 threads) gave the same row bits "
-                    "for 1 and 64 rows")
+    assert loc is not None, "the planted shape-variant GEMM did not move the needle's row"
     assert (loc.module, loc.op) == ("model.layers.0.self_attn.q_proj", "aten.mm"), loc.describe()
 
 
