@@ -31,15 +31,17 @@ def run_cold(engine, label: str, reqs):
     return got, {r.request_id: StatedRun(label, reached, traces.get(r.request_id)) for r in reqs}, stats
 
 
-def assert_runs_equal(reqs, got, want, got_runs: dict, want_runs: dict, reopen) -> None:
-    """Each request bitwise, `got` vs `want` (completions in request order); a mismatch states both
-    sides' runs and, where both engines record rows, names the first module whose rows of the
-    request part (both rerun cold through `reopen`, one engine open at a time)."""
+def assert_runs_equal(reqs, got, want, got_runs: dict, want_runs: dict, reopen=None) -> None:
+    """Each request bitwise, `got` vs `want` (completions by request id); a mismatch states both
+    sides' runs and, given `reopen` and where both engines record rows, names the first module
+    whose rows of the request part (both rerun cold through `reopen`, one engine open at a time)."""
     __tracebackhide__ = True
-    for r, x, y in zip(reqs, got, want):
+    by_id = {c.request_id: c for c in want}
+    for r in reqs:
+        x, y = next(c for c in got if c.request_id == r.request_id), by_id[r.request_id]
         sides = (got_runs[r.request_id], want_runs[r.request_id])
-        assert_same_completion(x, y, lhs=sides[0].label, rhs=sides[1].label, **state_context(*sides),
-                               diagnose=where_runs_part(reopen, reqs, r, sides, first=(x, y)))
+        diagnose = {} if reopen is None else {"diagnose": where_runs_part(reopen, reqs, r, sides, first=(x, y))}
+        assert_same_completion(x, y, lhs=sides[0].label, rhs=sides[1].label, **state_context(*sides), **diagnose)
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +83,11 @@ def test_token_budget(engine_factory, baseline, budget):
 @engine_settings(divisor=8, floor=1)
 @given(perm=st.permutations(list(range(10))))
 def test_arrival_order(engine, baseline, perm):
-    reqs, want, _ = baseline
-    assert_same_completions(engine.generate([reqs[i] for i in perm]), want, lhs=f"arrival order {perm}",
-                            rhs="original order")
+    """Each order from a cold cache, as the baseline ran (else earlier examples' prompts would be
+    prefix-cache hits and the check would compare cache hits, C4's subject, not arrival order)."""
+    reqs, want, want_runs = baseline
+    got, got_runs, _ = run_cold(engine, f"arrival order {perm}", [reqs[i] for i in perm])
+    assert_runs_equal(reqs, got, want, got_runs, want_runs)
 
 
 @pytest.mark.slow(seconds=100)        # two engine starts, one compiled or capturing graphs (H200: 33-125 s)
@@ -111,14 +115,18 @@ def test_several_samples_per_prompt(engine, proxy):
         not_applicable("one sample per prompt", feature="n_samples")
     vocab = proxy.config.vocab_size
     req = Request("n4", tuple(range(5, 25)), SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=4))
-    (multi,) = engine.generate([req] + mixed_workload(vocab, 3, seed=9))[:1]
-    assert len(multi.samples) == 4
+    got, runs, _ = run_cold(engine, "sampled (n=4, with 3 companions)", [req] + mixed_workload(vocab, 3, seed=9))
+    multi = got[0]
+    assert multi.request_id == "n4" and len(multi.samples) == 4
     streams = {tuple(s.token_ids) for s in multi.samples}
     assert len(streams) > 1, "n=4 samples at temperature 1 were all identical: the streams are not independent"
     seqs = [list(req.prompt_ids) + s.token_ids for s in multi.samples]
-    for s, seq, lp in zip(multi.samples, seqs, engine.prompt_logprobs(seqs)):
-        assert_bitwise(lp[len(req.prompt_ids) - 1:], s.logprobs, what="sample of n=4 vs one prefill",
-                       lhs_name="prefill", rhs_name="sampled")
+    prefill_state = start_from(engine, COLD)
+    for i, (s, seq, lp) in enumerate(zip(multi.samples, seqs, engine.prompt_logprobs(seqs))):
+        assert_bitwise(lp[len(req.prompt_ids) - 1:], s.logprobs, what=f"sample {i} of n=4 vs one prefill",
+                       lhs_name="prefill", rhs_name="sampled",
+                       **{"state prefill": f"started {prefill_state}; the 4 sequences in one prompt-logprob call",
+                          "state sampled": runs["n4"].describe()})
 
 
 def test_requests_finishing_at_different_steps(engine, proxy):
@@ -126,9 +134,9 @@ def test_requests_finishing_at_different_steps(engine, proxy):
     long = Request("long", tuple(range(7, 30)), SamplingParams(max_tokens=12, temperature=1.0, seed=1))
     short_early = [Request(f"s{i}", tuple(range(i, i + 9)), SamplingParams(max_tokens=1 + i)) for i in range(6)]
     short_late = [Request(f"s{i}", tuple(range(i, i + 9)), SamplingParams(max_tokens=11 - i)) for i in range(6)]
-    a = engine.generate([long] + short_early)[0]
-    b = engine.generate([long] + short_late)[0]
-    assert_same_completions([a], [b], lhs="companions finishing early", rhs="companions finishing late")
+    a, early, _ = run_cold(engine, "companions finishing early", [long] + short_early)
+    b, late, _ = run_cold(engine, "companions finishing late", [long] + short_late)
+    assert_runs_equal([long], a, b, early, late)
 
 
 @pytest.mark.parametrize("temperature, top_p, top_k", [(0.7, 1.0, 0), (1.0, 0.8, 0), (1.3, 1.0, 20), (0.5, 0.5, 7)])
@@ -139,13 +147,15 @@ def test_raw_logprobs_stay_raw(engine, proxy, lazy_trainer, temperature, top_p, 
         not_applicable("top-p/top-k not supported", feature="top_p" if top_p < 1 and not caps.top_p else "top_k")
     req = Request("proc", tuple(range(11, 31)), SamplingParams(max_tokens=8, temperature=temperature,
                                                              top_p=top_p, top_k=top_k, seed=4))
-    (c,) = engine.generate([req])
+    (c,), runs, _ = run_cold(engine, "reported", [req])
     s = c.samples[0]
     seq, first = list(req.prompt_ids) + s.token_ids, len(req.prompt_ids) - 1
+    raw_state = start_from(engine, COLD)
     (full,) = engine.prompt_logprobs([seq])
     assert_bitwise(s.logprobs, full[first:], what="reported sampled-token logprobs vs raw "
                    "(temperature 1, full vocabulary) prompt logprobs", lhs_name="reported", rhs_name="raw",
                    sampling=f"temperature={temperature} top_p={top_p} top_k={top_k}",
+                   **{"state reported": runs["proc"].describe(), "state raw": f"started {raw_state}; one prefill"},
                    diagnose=lambda d: diagnoser(engine, lazy_trainer(), [seq], [first], [s.logprobs], [req.params],
                                                 prefills=[full[first:]])(d))
     if s.processed_logprobs is not None:   # a labelled, distinct quantity - and really processed

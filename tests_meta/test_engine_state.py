@@ -1,4 +1,4 @@
-"""C3/C4's stated engine states and rows found by request (issues #18 item 6, #19 items 1 and 5).
+"""C3/C4/C5's stated engine states and rows found by request (issues #18 item 6, #19 items 1 and 5).
 
 - a planted fault in the reference engine's cached-KV path (a prefix-cache hit reads its K/V back
   through bf16) is C4's prefix-cache check's to report, not C3's: C3 runs both sides cold. The
@@ -6,7 +6,9 @@
 - a failure prints, for both sides, the cached prompt tokens and the tokens of each step;
 - a needle whose prompt three requests of one step share is localised by request, to the planted
   module, in the reference engine and through the vLLM worker's request locator (no vLLM: a
-  stand-in model runner); the token-content fallback cannot tell those rows apart (the control).
+  stand-in model runner); the token-content fallback cannot tell those rows apart (the control);
+- C5's arrival order runs every order cold, so a cache-hit fault stays C4's (control: warm orders
+  see it), and its failure states both sides.
 """
 from __future__ import annotations
 
@@ -20,12 +22,14 @@ from fixtures.core.contract import EngineSettings, Request, SamplingParams
 from fixtures.core.traces import RequestTrace
 from fixtures.diagnose.engine_rows import EngineRows, StepRows, localise_in_engine, rows_by_layout, start_from
 from fixtures.diagnose.module_outputs import locate_prompt_rows
-from fixtures.checks.workloads import assert_same_completion, fixed_batch, random_ids
+from fixtures.checks.workloads import (assert_same_completion, assert_same_completions, fixed_batch,
+                                      mixed_workload, random_ids)
 from fixtures.faults.catalog import FAULTS
 from fixtures.models.proxies import build_proxy
 from fixtures.reference.engine import ReferenceEngine
 from tests_c5_invariance.test_c3_engine_batch import compare_needle
 from tests_c5_invariance.test_c4_prefill_decode import test_prefix_cache_hit_equals_cold_start as c4_prefix_check
+from tests_c5_invariance.test_c5_scheduling import run_cold, test_arrival_order as c5_arrival_order
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +252,39 @@ def test_a_state_space_block_that_is_not_mamba2_is_refused_by_name(tmp_path, mod
     spec = build_proxy(tmp_path / "src", "tiny", tmp_path / "proxy")
     with pytest.raises(EngineUnsupported, match=rf"^n/a: .*missing piece is an exact-replay state path for {names} "):
         ReferenceEngine(spec.path)
+
+
+# ---------------------------------------------------------------------------------------------
+# C5: every comparison starts cold, and a failure states both sides
+# ---------------------------------------------------------------------------------------------
+def _arrival_order(engine, vocab: int, perm) -> None:
+    """C5's arrival-order check as the gate runs it, on its baseline from a cold cache."""
+    reqs = mixed_workload(vocab)
+    baseline = (reqs,) + run_cold(engine, "default", reqs)[:2]
+    c5_arrival_order.hypothesis.inner_test(engine, baseline, perm)
+
+
+def test_c5_arrival_order_starts_cold_so_a_cache_hit_fault_stays_c4s(qwen3):
+    """prefix_cache_kv_bf16 changes only what a cache hit reads: C5's arrival order, each order
+    from a cold cache, stays green with it planted. Control: the same orders on the warm cache (C5's
+    old form) read the planted hits and go red."""
+    perm, vocab = list(range(10))[::-1], qwen3.config.vocab_size
+    with ReferenceEngine(qwen3.path) as engine, FAULTS["prefix_cache_kv_bf16"].active(engine):
+        _arrival_order(engine, vocab, perm)
+        reqs = mixed_workload(vocab)
+        start_from(engine)
+        want = engine.generate(reqs)
+        warm = engine.generate([reqs[i] for i in perm])
+        with pytest.raises(BitwiseMismatch):
+            assert_same_completions(warm, want, lhs="arrival order, warm", rhs="original order")
+
+
+def test_c5_arrival_order_failure_states_both_sides(qwen3):
+    """A defect above 8 co-resident requests (bug_above_8_requests) reordered into other slots: the
+    message carries each side's state and trace."""
+    with ReferenceEngine(qwen3.path) as engine, FAULTS["bug_above_8_requests"].active(engine) as faulty:
+        with pytest.raises(BitwiseMismatch) as err:
+            _arrival_order(faulty, qwen3.config.vocab_size, list(range(10))[::-1])
+    text = str(err.value)
+    assert "state arrival order [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]: started cold (prefix cache reset)" in text, text
+    assert "state default: started cold (prefix cache reset)" in text and "cached prompt tokens" in text, text
