@@ -84,6 +84,25 @@ def test_kernels_agree_with_stock_within_rounding():
     torch.testing.assert_close(K.attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
+@pytest.mark.parametrize("a_shape, b_shape", [((33, 50), (50, 20)), ((6, 5, 17), (6, 17, 12)), ((6, 5, 17), (17, 12))],
+                         ids=["2-D rows GEMM", "batched tree", "folded 3-D @ 2-D"])
+def test_kernel_gradients_called_directly_under_autograd(a_shape, b_shape):
+    """K.matmul called with tensors that require grad (C2's training variant, a trainer calling a
+    kernel itself) goes through its own autograd Function: the forward keeps the no-grad bits and
+    the gradients are those of the same product (against float64)."""
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(*a_shape, generator=g), torch.randn(*b_shape, generator=g)
+    la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+    out = K.matmul(la, lb)
+    assert torch.equal(out.detach(), K.matmul(a, b)), "the forward under autograd must keep the no-grad bits"
+    weight = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * weight).sum().backward()
+    a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
+    (torch.matmul(a64, b64) * weight.double()).sum().backward()
+    torch.testing.assert_close(la.grad, a64.grad.float())
+    torch.testing.assert_close(lb.grad, b64.grad.float())
+
+
 def test_guard_premise_holds_on_this_cpu():
     """The elementwise guards are built from exp, log1p, erf, tanh and + - * /, assuming their SIMD
     and scalar paths round alike here (they do on AVX2 / AVX-512 with PyTorch's Sleef builds). A
