@@ -36,9 +36,9 @@ def assert_runs_equal(reqs, got, want, got_runs: dict, want_runs: dict, reopen=N
     sides' runs and, given `reopen` and where both engines record rows, names the first module
     whose rows of the request part (both rerun cold through `reopen`, one engine open at a time)."""
     __tracebackhide__ = True
-    by_id = {c.request_id: c for c in want}
+    got_by_id, want_by_id = ({c.request_id: c for c in cs} for cs in (got, want))
     for r in reqs:
-        x, y = next(c for c in got if c.request_id == r.request_id), by_id[r.request_id]
+        x, y = got_by_id[r.request_id], want_by_id[r.request_id]
         sides = (got_runs[r.request_id], want_runs[r.request_id])
         diagnose = {} if reopen is None else {"diagnose": where_runs_part(reopen, reqs, r, sides, first=(x, y))}
         assert_same_completion(x, y, lhs=sides[0].label, rhs=sides[1].label, **state_context(*sides), **diagnose)
