@@ -1,8 +1,8 @@
 """Several xdist workers on one GPU (fixtures.core.gpu_memory, fixtures.vllm.pool): the budget's
 arithmetic, engines' gpu_memory_utilization clipped to a worker's share, idle engines closed before
-a start or a trainer that would not fit, and an engine start that runs out of memory recorded as
-"error: out of memory" with who held what. CPU only: the engines are the fake worker backend, whose
-footprint is the KV cache it is asked for."""
+a start or a trainer that would not fit, leased ones parked when a start still runs out, and an
+engine start that runs out of memory recorded as "error: out of memory" with who held what. CPU
+only: the engines are the fake worker backend, whose footprint is the KV cache it is asked for."""
 from __future__ import annotations
 
 import json
@@ -159,28 +159,81 @@ def test_without_a_budget_the_idle_cap_alone_decides(model_dir):
 
 
 # ---------------------------------------------------------------------------------------------
-# an engine start out of memory: EngineOutOfMemory, after closing idle engines and one retry
+# an engine start out of memory: EngineOutOfMemory, after closing idle engines, parking leased ones
 # ---------------------------------------------------------------------------------------------
-def test_a_start_out_of_memory_closes_idle_engines_retries_and_says_so(model_dir):
+def test_a_start_out_of_memory_closes_idle_then_parks_leased_engines_and_says_so(model_dir, monkeypatch):
     pool = vpool.EnginePool(max_idle=2)
     try:
         with pool.acquire("idle", _engine(model_dir, GIB, n=1)) as idle:
             idle_proc = idle.engine.proc
         kept = pool.acquire("kept", _engine(model_dir, GIB, n=2))
+        kept_proc = kept._engine.proc
         with pytest.raises(vipc.EngineOutOfMemory) as info:
             pool.acquire("oom", _engine(model_dir, GIB, fake="oom_start", n=3))
         exc = info.value
         first = str(exc).splitlines()[0]
         assert first.startswith("vLLM worker: engine start raised ValueError: Free memory on device cuda:0")
-        assert "1 idle engine of this worker closed first" in first
+        assert "1 idle engine of this worker closed first, 1 leased one parked; tried 3 times" in first
         assert exc.out_of_memory is True and isinstance(exc, vipc.VLLMWorkerError)
-        assert idle_proc.poll() is not None and list(pool.entries) == ["kept"]
-        assert kept.engine.alive, "a leased engine is never closed to make room"
-        with pytest.raises(vipc.EngineOutOfMemory, match="0 idle engines of this worker closed first"):
-            pool.acquire("oom", _engine(model_dir, GIB, fake="oom_start", n=3))
+        assert idle_proc.poll() is not None and kept_proc.poll() is not None and not pool.entries
+        assert kept.moved and kept.parked and pool.parked == 1
+        # the same check does not try again (hypothesis re-runs a failing example while it shrinks)
+        tried = []
+        with pytest.raises(vipc.EngineOutOfMemory, match="not tried again: an earlier engine start of this check"):
+            pool.acquire("oom", lambda: tried.append(1))
+        assert not tried
+        # the next check restarts the parked engine at its lease's first call, cold, and says why
+        from fixtures.core import costs
+        costs.drain()
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests_x.py::test_next (call)")
+        assert kept.engine.alive and kept.engine.proc is not kept_proc and not kept.parked
+        (start,) = [c for c in costs.drain() if c["kind"] == "engine start"]
+        assert list(pool.entries) == ["kept"] and pool.entries["kept"][1] == 1
         kept.close()
+        assert pool.entries["kept"][1] == 0, "the restarted engine is the lease's: its close gives it back"
     finally:
         pool.close_all()
+
+
+def test_two_workers_each_holding_a_session_engine_both_get_their_second(model_dir):
+    """Measured on the H200 (-n 2, Qwen3-30B-A3B at full depth): each worker's session engine held
+    65 GB, so a check's second engine fitted on neither side; both waited for the other until the
+    run was cut, 0 of 36 checks done. Here the device fits one engine per worker: the start parks
+    the leased session engine and succeeds; the session engine's next use restarts it after the
+    second engine is given back; an engine with pushed weights stays. Negative control: with
+    parking off the same start runs out."""
+    pools = []
+
+    def fits_one(pool, n):
+        def make():
+            live = [e for e, _ in pool.entries.values() if e.alive]
+            return _engine(model_dir, GIB, fake="oom_start" if live else "echo", n=n)()
+        return make
+    try:
+        for _ in range(2):                     # two workers' pools, each with its session engine leased
+            pool = vpool.EnginePool(max_idle=2)
+            pools.append(pool)
+            session = pool.acquire("session", fits_one(pool, 1))
+            with pool.acquire("chunked", fits_one(pool, 2)) as chunked:
+                assert chunked.engine.alive and session.parked
+            assert session.engine.alive and list(pool.entries) == ["session"]
+            assert pool.parked == 1
+        pushed = vpool.EnginePool(max_idle=2)          # pushed weights cannot be restarted: never parked
+        pools.append(pushed)
+        trained = pushed.acquire("session", fits_one(pushed, 1))
+        trained.engine.dirty = True
+        with pytest.raises(vipc.EngineOutOfMemory, match="0 idle engines of this worker closed first; tried 1 time"):
+            pushed.acquire("chunked", fits_one(pushed, 2))
+        assert trained.engine.alive and not trained.parked
+        control = vpool.EnginePool(max_idle=2)
+        pools.append(control)
+        control._park_leased = lambda need: 0
+        control.acquire("session", fits_one(control, 1))
+        with pytest.raises(vipc.EngineOutOfMemory, match="0 idle engines of this worker closed first; tried 1 time"):
+            control.acquire("chunked", fits_one(control, 2))
+    finally:
+        for pool in pools:
+            pool.close_all()
 
 
 def test_a_start_out_of_memory_waits_for_other_workers_memory(model_dir):
@@ -235,7 +288,8 @@ def test_engine_start_out_of_memory(model_dir):
     pool = vpool.EnginePool(max_idle=2, budget=gpu_memory.MemoryBudget(0.85, 4, total_bytes=140 << 30))
     make = lambda fake, n: lambda: client.VLLMEngine(model_dir, EngineSettings(max_num_seqs=n,
         extra={"kv_cache_memory_bytes": 6 << 30}), fake=fake)
-    held = pool.acquire("held", make("echo", 1))      # leased by this test: still live at the OOM
+    pool._park_leased = lambda need: 0                # parking off: a leased engine still live at the OOM
+    held = pool.acquire("held", make("echo", 1))
     try:
         pool.acquire("oom", make("oom_start", 2))
     finally:
