@@ -223,6 +223,16 @@ def test_two_workers_each_holding_a_session_engine_both_get_their_second(model_d
                 assert chunked.engine.alive and session.parked
             assert session.engine.alive and list(pool.entries) == ["session"]
             assert pool.parked == 1
+        from fixtures.core import costs                # where workers share the GPU: one wait, then parking
+        costs.drain()
+        shared = vpool.EnginePool(max_idle=2, oom_waits=(0.01, 0.02))
+        pools.append(shared)
+        session = shared.acquire("session", fits_one(shared, 1))
+        with shared.acquire("chunked", fits_one(shared, 2)):
+            assert session.parked
+        kinds = [c["kind"] for c in costs.drain()]
+        assert kinds == ["engine start", "engine start waited for GPU memory",
+                         "engine parked for another start's GPU memory", "engine start"], kinds
         pushed = vpool.EnginePool(max_idle=2)          # pushed weights cannot be restarted: never parked
         pools.append(pushed)
         trained = pushed.acquire("session", fits_one(pushed, 1))
