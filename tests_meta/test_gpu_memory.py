@@ -440,3 +440,43 @@ def test_a_cuda_fault_is_pinned_on_the_check_that_launched_it(write_suite):
     assert "an illegal memory access was encountered - raised by CUDA work this check" in out, out
     assert "not run: this process's CUDA context is unusable since " \
            "tests_c8_training/test_fault.py::test_launches_the_faulting_kernel" in out, out
+
+
+PEAK_SUITE = """
+import pytest
+
+@pytest.mark.C0
+def test_small(): pass
+
+@pytest.mark.C0
+def test_big(): pass
+"""
+
+
+def test_each_checks_own_gpu_peak_reaches_the_report(write_suite, monkeypatch):
+    """Measured on the H200: a qwen3 `-n 4` run peaked at 137 GB against its 122 GB budget and the
+    report could not say which check's own allocations did it. Each check's end records this
+    process's torch peak and the device's used memory (faked here: no CUDA), largest first in the
+    report's time section; without CUDA nothing is recorded."""
+    peaks = [(1, 40), (18, 137)]             # in collection order: test_small, test_big
+
+    def fake_peak():
+        own, used = peaks.pop(0)
+        return {"own_peak_bytes": own * GIB, "device_used_bytes": used * GIB}
+    monkeypatch.setattr(gpu_memory, "check_peak", fake_peak)
+    pt = write_suite({"tests_c0_inventory/test_peaks.py": PEAK_SUITE})
+    res = pt.runpytest_inprocess("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider",
+                                 "--report=rep", "-m", "C0")
+    res.assert_outcomes(passed=2)
+    doc = json.loads((pt.path / "rep" / "report.json").read_text())
+    got = {c["nodeid"].rpartition("::")[2]: c["gpu"] for c in doc["checks"]}
+    assert got == {"test_small": {"own_peak_bytes": GIB, "device_used_bytes": 40 * GIB},
+                   "test_big": {"own_peak_bytes": 18 * GIB, "device_used_bytes": 137 * GIB}}
+    md = (pt.path / "rep" / "report.md").read_text()
+    assert ("largest peaks of a check's own pytest process (torch reserved; engines are other processes): "
+            "`tests_c0_inventory/test_peaks.py::test_big` 18.0 GiB, `tests_c0_inventory/test_peaks.py::test_small` "
+            "1.0 GiB") in md
+    assert "the device's most used at a check's end (all processes): 137.0 GiB, after " \
+           "`tests_c0_inventory/test_peaks.py::test_big`" in md
+    monkeypatch.undo()
+    assert gpu_memory.check_peak() == {}, "this CPU process never initialised CUDA: nothing to record"
