@@ -50,3 +50,21 @@ def one_error_line():
             assert needle in lines[0], lines[0]
         return lines[0]
     return check
+
+
+@pytest.fixture
+def fake_model_dir(tmp_path):
+    """A model directory the fake vLLM worker accepts (fixtures.vllm.fake_backend): config.json only."""
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000}))
+    return tmp_path
+
+
+@pytest.fixture
+def fake_vllm_impl(tmp_path, monkeypatch):
+    """The vLLM adapter on the fake worker backend (no GPU, no vLLM), its engines closed afterwards."""
+    from fixtures.vllm import implementation as vimpl
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path / "logs"))
+    impl = vimpl.VLLMImplementation(fake="echo", max_idle=2)
+    yield impl
+    impl.pool.close_all()

@@ -7,39 +7,21 @@ model with the checkpoint's (1-ULP differences in 9 % of the embedding's element
 (fixtures.vllm.fake_backend): no GPU, no vLLM."""
 from __future__ import annotations
 
-import json
-
-import pytest
 import torch
 
 from fixtures.reference.hf_trainer import tensor_sha256
-from fixtures.vllm import implementation as vimpl
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000}))
-    return tmp_path
-
-
-@pytest.fixture
-def impl(tmp_path, monkeypatch):
-    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path / "logs"))
-    impl = vimpl.VLLMImplementation(fake="echo", max_idle=2)
-    yield impl
-    impl.pool.close_all()
 
 
 PUSHED = {"model.embed_tokens.weight": torch.randn(10, 4, generator=torch.Generator().manual_seed(0)).bfloat16()}
 
 
-def push_beside_a_session_lease(impl, model_dir):
+def push_beside_a_session_lease(fake_vllm_impl, fake_model_dir):
     """The C9 pattern: a session lease open, a second lease of the same configuration pushes
     weights and is closed. Returns (session lease, the pushed engine's worker, the session
     engine's worker before the push)."""
-    session = impl.make_engine(model_dir)
+    session = fake_vllm_impl.make_engine(fake_model_dir)
     before = session.engine.proc
-    with impl.make_engine(model_dir) as pusher:
+    with fake_vllm_impl.make_engine(fake_model_dir) as pusher:
         assert pusher.engine.proc is before, "one configuration, one live engine: the leases share it"
         pusher.load_weights(PUSHED)
         assert pusher.weight_hashes() == {k: tensor_sha256(v) for k, v in PUSHED.items()}
@@ -47,37 +29,37 @@ def push_beside_a_session_lease(impl, model_dir):
     return session, pushed, before
 
 
-def test_a_push_moves_the_other_leases_to_an_engine_of_their_own(impl, model_dir):
-    session, pushed, before = push_beside_a_session_lease(impl, model_dir)
+def test_a_push_moves_the_other_leases_to_an_engine_of_their_own(fake_vllm_impl, fake_model_dir):
+    session, pushed, before = push_beside_a_session_lease(fake_vllm_impl, fake_model_dir)
     assert session.weight_hashes() == {}, "the session lease must keep the checkpoint's weights, not the push"
-    assert session.engine.proc is not before and impl.pool.moves == 1
+    assert session.engine.proc is not before and fake_vllm_impl.pool.moves == 1
     assert pushed.poll() is not None, "the pushed engine, dirty and unleased, is closed"
-    with impl.make_engine(model_dir) as third:          # the moved lease's new engine is a clean one to share
+    with fake_vllm_impl.make_engine(fake_model_dir) as third:          # the moved lease's new engine is a clean one to share
         assert third.engine.proc is session.engine.proc and third.weight_hashes() == {}
     session.close()
-    assert impl.pool.open_leases == []
+    assert fake_vllm_impl.pool.open_leases == []
 
 
-def test_the_pushing_lease_keeps_its_engine(impl, model_dir):
+def test_the_pushing_lease_keeps_its_engine(fake_vllm_impl, fake_model_dir):
     """The pusher is never moved (C9 checks the prefix cache as the push left it, so the pusher
     must stay on the engine it pushed into)."""
-    session = impl.make_engine(model_dir)
-    pusher = impl.make_engine(model_dir)
+    session = fake_vllm_impl.make_engine(fake_model_dir)
+    pusher = fake_vllm_impl.make_engine(fake_model_dir)
     proc = pusher.engine.proc
     pusher.load_weights(PUSHED)
     assert session.engine.proc is not proc           # the other lease moved at its next call
     pusher.load_weights(PUSHED)                      # a second push moves nobody: no one shares it now
-    assert pusher.engine.proc is proc and impl.pool.moves == 1
+    assert pusher.engine.proc is proc and fake_vllm_impl.pool.moves == 1
     pusher.close()
     session.close()
     assert proc.poll() is not None
 
 
-def test_control_without_the_move_the_push_leaks(impl, model_dir, monkeypatch):
+def test_control_without_the_move_the_push_leaks(fake_vllm_impl, fake_model_dir, monkeypatch):
     """Negative control: with the pool's claim planted away, the session lease serves the pushed
     weights - what the check above must see fail."""
-    monkeypatch.setattr(impl.pool, "claim", lambda lease: None)
-    session, _, before = push_beside_a_session_lease(impl, model_dir)
+    monkeypatch.setattr(fake_vllm_impl.pool, "claim", lambda lease: None)
+    session, _, before = push_beside_a_session_lease(fake_vllm_impl, fake_model_dir)
     assert session.engine.proc is before
     assert session.weight_hashes() == {k: tensor_sha256(v) for k, v in PUSHED.items()}
     session.close()

@@ -6,48 +6,32 @@ for a worker process's vLLM import; a start on a ready spare took 5-7 s, one on 
 importing 17-54 s, and a worker's first starts had no spare at all. Fake workers: no GPU, no vLLM."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
 from fixtures.core.contract import EngineSettings
-from fixtures.vllm import implementation as vimpl
 from fixtures.vllm.ipc import env_key, worker_env
 
 pytest_plugins = ["pytester"]
 
 
-@pytest.fixture
-def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000}))
-    return tmp_path
-
-
-@pytest.fixture
-def fake_impl(tmp_path, monkeypatch):
-    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path / "logs"))
-    impl = vimpl.VLLMImplementation(fake="echo", max_idle=2)
-    yield impl
-    impl.pool.close_all()
-
-
-def test_prepare_process_starts_a_spare_for_each_environment_and_the_first_start_takes_one(fake_impl, model_dir):
-    fake_impl.pool.prespawn = True          # the fake backend alone turns pre-spawning off
-    fake_impl.prepare_process()
+def test_prepare_process_starts_a_spare_for_each_environment_and_the_first_start_takes_one(fake_vllm_impl, fake_model_dir):
+    fake_vllm_impl.pool.prespawn = True          # the fake backend alone turns pre-spawning off
+    fake_vllm_impl.prepare_process()
     expected = {env_key(worker_env(EngineSettings(), fake="echo")),
                 env_key(worker_env(EngineSettings(batch_invariant=False), fake="echo"))}
-    assert set(fake_impl.pool.spares) == expected
-    with fake_impl.make_engine(model_dir, EngineSettings(batch_invariant=False)) as control:
+    assert set(fake_vllm_impl.pool.spares) == expected
+    with fake_vllm_impl.make_engine(fake_model_dir, EngineSettings(batch_invariant=False)) as control:
         assert control.engine.alive
-    with fake_impl.make_engine(model_dir) as engine:
+    with fake_vllm_impl.make_engine(fake_model_dir) as engine:
         assert engine.engine.alive
-    assert fake_impl.pool.spares_used == 2, "both first starts ran on a worker spawned at configure time"
+    assert fake_vllm_impl.pool.spares_used == 2, "both first starts ran on a worker spawned at configure time"
 
 
-def test_without_pre_spawning_prepare_process_starts_nothing(fake_impl):
-    fake_impl.prepare_process()
-    assert fake_impl.pool.spares == {}
+def test_without_pre_spawning_prepare_process_starts_nothing(fake_vllm_impl):
+    fake_vllm_impl.prepare_process()
+    assert fake_vllm_impl.pool.spares == {}
 
 
 IMPL = """
