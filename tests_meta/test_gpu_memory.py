@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from fixtures.core import gpu_memory
+from fixtures.core import environment, gpu_memory
 from fixtures.core.contract import EngineSettings
 from fixtures.vllm import client as vclient
 from fixtures.vllm import implementation as vimpl
@@ -185,13 +185,13 @@ def test_a_start_out_of_memory_closes_idle_then_parks_leased_engines_and_says_so
         # the next check restarts the parked engine at its lease's first call, cold, and says why
         from fixtures.core import costs
         costs.drain()
-        monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests_x.py::test_next (call)")
+        monkeypatch.setitem(environment._current, "nodeid", "tests_x.py::test_next")
         assert kept.engine.alive and kept.engine.proc is not kept_proc and not kept.parked
         (start,) = [c for c in costs.drain() if c["kind"] == "engine start"]
         assert list(pool.entries) == ["kept"] and pool.entries["kept"][1] == 1
         kept.close()
         assert pool.entries["kept"][1] == 0, "the restarted engine is the lease's: its close gives it back"
-        monkeypatch.delenv("PYTEST_CURRENT_TEST")       # outside a check (a benchmark script): always tried
+        monkeypatch.setitem(environment._current, "nodeid", None)    # outside a check (a benchmark script): always tried
         for _ in range(2):
             with pytest.raises(vipc.EngineOutOfMemory) as again:
                 pool.acquire("oom", _engine(model_dir, GIB, fake="oom_start", n=3))
