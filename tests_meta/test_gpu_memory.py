@@ -5,6 +5,7 @@ engine start that runs out of memory recorded as "error: out of memory" with who
 only: the engines are the fake worker backend, whose footprint is the KV cache it is asked for."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import warnings
@@ -166,7 +167,10 @@ def test_a_start_out_of_memory_closes_idle_then_parks_leased_engines_and_says_so
     try:
         with pool.acquire("idle", _engine(model_dir, GIB, n=1)) as idle:
             idle_proc = idle.engine.proc
+        here = environment.current_test()
+        monkeypatch.setitem(environment._current, "nodeid", "tests_x.py::test_earlier")   # a lease of an earlier check
         kept = pool.acquire("kept", _engine(model_dir, GIB, n=2))
+        monkeypatch.setitem(environment._current, "nodeid", here)
         kept_proc = kept._engine.proc
         with pytest.raises(vipc.EngineOutOfMemory) as info:
             pool.acquire("oom", _engine(model_dir, GIB, fake="oom_start", n=3))
@@ -242,13 +246,102 @@ def test_two_workers_each_holding_a_session_engine_both_get_their_second(model_d
         assert trained.engine.alive and not trained.parked
         control = vpool.EnginePool(max_idle=2)
         pools.append(control)
-        control._park_leased = lambda need: 0
+        control._park_leased = lambda need, **kw: 0
         control.acquire("session", fits_one(control, 1))
         with pytest.raises(vipc.EngineOutOfMemory, match="0 idle engines of this worker closed first; tried 1 time"):
             control.acquire("chunked", fits_one(control, 2))
     finally:
         for pool in pools:
             pool.close_all()
+
+
+class _Neighbour:
+    """gpu_memory.RoomBroker stand-in: one other worker (its own pool) that gives up its engines
+    at the `gives_up_at`-th look (None: never)."""
+
+    def __init__(self, pool, gives_up_at: int | None = 2):
+        self.pool, self.gives_up_at, self.looks, self.held = pool, gives_up_at, 0, False
+
+    def hold(self) -> bool:
+        self.held = True
+        return True
+
+    def pending(self) -> list[str]:
+        self.looks += 1
+        if self.gives_up_at is not None and self.looks >= self.gives_up_at and self.pool.entries:
+            self.pool.release_for_neighbour()
+        return ["gw1"] if self.pool.entries else []
+
+
+def _shared_device(tmp_path, monkeypatch, engines: int) -> None:
+    """A fake device the fake engines of every pool share (fixtures.vllm.fake_backend): `engines`
+    footprints of 1 GiB fit."""
+    d = tmp_path / "device"
+    d.mkdir()
+    monkeypatch.setenv("CONFORMANCE_VLLM_FAKE_DEVICE", f"{d}:{engines * GIB}")
+
+
+@pytest.mark.parametrize("broker", [True, False], ids=["room asked for", "control: no broker"])
+def test_a_check_needing_two_engines_gets_the_other_workers_memory(model_dir, tmp_path, monkeypatch, broker):
+    """Measured on the H200 (-n 2, Qwen3-30B-A3B at full depth): a check needing its session engine
+    and one of its own fitted only while the other worker held nothing; parking its own engines was
+    not enough, and 2 of 36 checks ran out after 60 s of waits. Here a device fits two engines,
+    each worker holds a session engine, and this worker's check needs two at once: it parks its own
+    session engine, then (for that engine's restart) holds the device while the other worker gives
+    up its engine, and both of its engines are live together. Negative control: with no broker the
+    last resort parks the check's own second engine, which then restarts at every call."""
+    from fixtures.core import costs
+    _shared_device(tmp_path, monkeypatch, engines=2)
+    here = "tests_x.py::test_two_engines"
+    pools = [vpool.EnginePool(max_idle=0, oom_waits=(0.01,)) for _ in range(2)]
+    mine, theirs = pools
+    neighbour = _Neighbour(theirs)
+    monkeypatch.setattr(gpu_memory, "_broker", [neighbour if broker else None])
+    try:
+        monkeypatch.setitem(environment._current, "nodeid", "tests_x.py::test_earlier")
+        their_session = theirs.acquire("session", _engine(model_dir, GIB, n=1))
+        my_session = mine.acquire("session", _engine(model_dir, GIB, n=1))
+        monkeypatch.setitem(environment._current, "nodeid", here)
+        costs.drain()
+        with mine.acquire("second", _engine(model_dir, GIB, n=2)) as second:
+            assert my_session.parked, "this worker's own session engine is parked first"
+            for _ in range(2):                       # the check uses both, in turn
+                first_engine, second_engine = my_session.engine, second.engine
+            kinds = [c["kind"] for c in costs.drain()]
+            if broker:
+                assert first_engine.alive and second_engine.alive and not second.moved
+                assert their_session.parked and neighbour.held
+                assert kinds == ["engine start waited for GPU memory", "engine parked for another start's GPU memory",
+                                 "engine start",                    # the second engine; then the session's restart:
+                                 "engine start waited for GPU memory",
+                                 "engine parked for another start's GPU memory",     # the other worker's (one process here)
+                                 "engine start waited for the other workers to give up their engines",
+                                 "engine start"], kinds
+            else:
+                assert not their_session.parked
+                assert kinds.count("engine start") == 5, kinds       # the two engines swap at every call
+                assert second.parked or my_session.parked
+        assert their_session.engine.alive, "the other worker's parked session engine restarts at its next call"
+    finally:
+        for pool in pools:
+            pool.close_all()
+
+
+def test_a_start_the_other_workers_do_not_make_room_for_ends_saying_who_held_theirs(model_dir, tmp_path,
+                                                                                     monkeypatch):
+    _shared_device(tmp_path, monkeypatch, engines=1)
+    theirs, mine = vpool.EnginePool(max_idle=0), vpool.EnginePool(max_idle=0, oom_waits=(0.01,))
+    monkeypatch.setattr(gpu_memory, "_broker", [_Neighbour(theirs, gives_up_at=None)])
+    monkeypatch.setattr(mine, "ROOM_WAIT_S", 0.3)
+    try:
+        held = theirs.acquire("session", _engine(model_dir, GIB, n=1))
+        with pytest.raises(vipc.EngineOutOfMemory, match=r"after the device was held \d+ s for the other workers to "
+                                                         r"give up their engines \(gw1 still held theirs\)"):
+            mine.acquire("mine", _engine(model_dir, GIB, n=2))
+        assert held.engine.alive and not held.parked
+    finally:
+        theirs.close_all()
+        mine.close_all()
 
 
 def test_a_start_out_of_memory_waits_for_other_workers_memory(model_dir):
@@ -303,7 +396,7 @@ def test_engine_start_out_of_memory(model_dir):
     pool = vpool.EnginePool(max_idle=2, budget=gpu_memory.MemoryBudget(0.85, 4, total_bytes=140 << 30))
     make = lambda fake, n: lambda: client.VLLMEngine(model_dir, EngineSettings(max_num_seqs=n,
         extra={"kv_cache_memory_bytes": 6 << 30}), fake=fake)
-    pool._park_leased = lambda need: 0                # parking off: a leased engine still live at the OOM
+    pool._park_leased = lambda need, **kw: 0                # parking off: a leased engine still live at the OOM
     held = pool.acquire("held", make("echo", 1))
     try:
         pool.acquire("oom", make("oom_start", 2))
@@ -480,3 +573,79 @@ def test_each_checks_own_gpu_peak_reaches_the_report(write_suite, monkeypatch):
            "`tests_c0_inventory/test_peaks.py::test_big`" in md
     monkeypatch.undo()
     assert gpu_memory.check_peak() == {}, "this CPU process never initialised CUDA: nothing to record"
+
+
+ROOM_SUITE = """
+import json, pytest
+from fixtures.core import gpu_memory
+from fixtures.core.contract import EngineSettings
+from fixtures.vllm import client, pool as vpool
+
+GIB = 1 << 30
+POOL = vpool.EnginePool(max_idle=0, oom_waits=(0.05,))     # a worker's pool, as VLLMImplementation makes it
+
+def make(model_dir, n):
+    return lambda: client.VLLMEngine(model_dir, EngineSettings(max_num_seqs=n,
+                                                               extra={{"kv_cache_memory_bytes": GIB}}), fake="echo")
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("model")
+    (d / "config.json").write_text(json.dumps({{"model_type": "qwen3", "vocab_size": 1000}}))
+    return d
+
+@pytest.fixture(scope="session")
+def session_engine(model_dir):
+    import glob, os, time
+    lease = POOL.acquire("session", make(model_dir, 1))
+    device = os.environ["CONFORMANCE_VLLM_FAKE_DEVICE"].rpartition(":")[0]
+    t0 = time.monotonic()                  # both workers hold their session engine: the device is full
+    while len(glob.glob(os.path.join(device, "engine-*"))) < 2 and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    yield lease
+    lease.close()
+
+if {control}:
+    @pytest.fixture(autouse=True)
+    def _no_broker():
+        gpu_memory.set_room_broker(None)
+
+@pytest.mark.C3
+@pytest.mark.parametrize("i", range(4))
+def test_two_engines_at_once(session_engine, model_dir, i):
+    import time
+    with POOL.acquire(f"check-{{i}}", make(model_dir, 2 + i)) as second:
+        for _ in range(3):                 # the check uses both, in turn, while the other worker's check runs
+            first, other = session_engine.engine, second.engine
+            assert first.alive and other.alive
+            assert not session_engine.moved and not second.moved, "the check's engines swap: one parked for the other"
+            time.sleep(0.3)
+"""
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["room asked for", "control: no broker"])
+def test_two_xdist_workers_on_a_device_of_two_engines_each_get_both_engines_of_their_checks(
+        write_suite, tmp_path, monkeypatch, control):
+    """The H200 case (-n 2, a 30B model: two engines fill the GPU) in real xdist workers sharing a
+    fake device that fits two engines: each worker holds its session engine, and every check needs
+    it and one engine of its own at once. The worker whose start runs out holds the device
+    (fixtures.plugin.exclusive.DeviceRoom), the other gives up its engines at its next check
+    boundary, and every check passes with both engines live. Negative control: without the
+    broker the checks fail (their engines swap, or a start runs out)."""
+    pytest.importorskip("xdist")
+    device = tmp_path / "device"
+    device.mkdir()
+    monkeypatch.setenv("CONFORMANCE_VLLM_FAKE_DEVICE", f"{device}:{2 * GIB}")
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path / "logs"))
+    pt = write_suite({"tests_c5_invariance/test_room.py": ROOM_SUITE.format(control=control)})
+    res = pt.runpytest_subprocess("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider",
+                                  "-n", "2", "--report=rep", "tests_c5_invariance", timeout=300)
+    doc = json.loads((pt.path / "rep" / "report.json").read_text())
+    outcomes = {c["nodeid"].rpartition("::")[2]: c["outcome"] for c in doc["checks"]}
+    if control:
+        assert any(o != "passed" for o in outcomes.values()), outcomes
+        return
+    assert set(outcomes.values()) == {"passed"}, (outcomes, res.stdout.str()[-3000:])
+    kinds = collections.Counter(kind for c in doc["checks"] for kind in (c.get("costs") or {}))
+    assert kinds["engine start waited for the other workers to give up their engines"] >= 1, kinds
+    assert kinds["gave up its GPU memory for another worker's engine start"] >= 1, kinds
