@@ -278,7 +278,7 @@ def _shared_device(tmp_path, monkeypatch, engines: int) -> None:
     footprints of 1 GiB fit."""
     d = tmp_path / "device"
     d.mkdir()
-    monkeypatch.setenv("CONFORMANCE_VLLM_FAKE_DEVICE", f"{d}:{engines * GIB}")
+    monkeypatch.setenv("CONFORMANCE_FAKE_DEVICE", f"{d}:{engines * GIB}")
 
 
 @pytest.mark.parametrize("broker", [True, False], ids=["room asked for", "control: no broker"])
@@ -598,7 +598,7 @@ def model_dir(tmp_path_factory):
 def session_engine(model_dir):
     import glob, os, time
     lease = POOL.acquire("session", make(model_dir, 1))
-    device = os.environ["CONFORMANCE_VLLM_FAKE_DEVICE"].rpartition(":")[0]
+    device = os.environ["CONFORMANCE_FAKE_DEVICE"].rpartition(":")[0]
     t0 = time.monotonic()                  # both workers hold their session engine: the device is full
     while len(glob.glob(os.path.join(device, "engine-*"))) < 2 and time.monotonic() - t0 < 30:
         time.sleep(0.05)
@@ -635,7 +635,7 @@ def test_two_xdist_workers_on_a_device_of_two_engines_each_get_both_engines_of_t
     pytest.importorskip("xdist")
     device = tmp_path / "device"
     device.mkdir()
-    monkeypatch.setenv("CONFORMANCE_VLLM_FAKE_DEVICE", f"{device}:{2 * GIB}")
+    monkeypatch.setenv("CONFORMANCE_FAKE_DEVICE", f"{device}:{2 * GIB}")
     monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path / "logs"))
     pt = write_suite({"tests_c5_invariance/test_room.py": ROOM_SUITE.format(control=control)})
     res = pt.runpytest_subprocess("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider",
