@@ -101,3 +101,67 @@ def test_a_worker_still_busy_after_the_wait_is_said(tmp_path, monkeypatch):
         (tmp_path / "busy-machine-gw1").write_text(str(os.getpid()))
     assert not device.alone and device.during and device.still_busy == ["gw1"], device
     assert device.describe().startswith("SHARED: gw1 started a check during the timing"), device.describe()
+
+
+def test_a_room_request_is_answered_once_by_each_live_neighbour_and_lasts_for_its_check(tmp_path, monkeypatch):
+    """DeviceRoom (fixtures.plugin.exclusive): the asking worker holds the device's lock marked as
+    a room request; a live neighbour that meets it gives up its memory once (its holders'
+    release_for_neighbour) and says so; a crashed worker's marker is not waited for; a timed block
+    inside the same check does not wait for its own lock; the lock goes when the check ends."""
+    import weakref
+
+    from fixtures.core import gpu_memory
+    from fixtures.plugin import exclusive
+    from fixtures.plugin.state import STATE
+
+    def config(wid):
+        class Config:                    # an xdist worker's config, as far as the module reads it
+            workerinput = {"workerid": wid}
+            stash = {STATE: {"state_dir": str(tmp_path), "is_worker": True}}
+        return Config()
+
+    class Engines:                       # a worker's engine pool, as gpu_memory sees it
+        given = 0
+
+        def memory_report(self):
+            return {"holder": "test", "held": [], "budget": None}
+
+        def release_idle(self, need_bytes):
+            return 0
+
+        def release_for_neighbour(self):
+            self.given += 1
+            return 3 << 30
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    for name in ("CUDA_VISIBLE_DEVICES", "CONFORMANCE_GPU_WORKERS"):
+        monkeypatch.delenv(name, raising=False)
+    engines = Engines()
+    monkeypatch.setattr(gpu_memory, "_holders", weakref.WeakSet([engines]))
+    asking, neighbour = config("gw0"), config("gw1")
+    here, there = exclusive._where(asking), exclusive._where(neighbour)
+    exclusive._alive(here, True)
+    exclusive._alive(there, True)                                    # gw1: this process, alive
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / "worker-machine-gw2").write_text(str(gone.pid))      # a crashed worker's marker
+    room = exclusive.DeviceRoom(asking)
+    try:
+        assert room.pending() == [], "no request yet"
+        assert room.hold() and room.hold(), "held, and held again by the same check"
+        lock = (tmp_path / "alone-machine.lock").read_text()
+        assert lock.startswith("gw0\nroom gw0:") and exclusive._holder(here) == "gw0"
+        assert room.pending() == ["gw1"]
+        exclusive._answer_room(here)                                 # the asker never answers itself
+        assert engines.given == 0
+        exclusive._answer_room(there)
+        exclusive._answer_room(there)                                # once per request
+        assert engines.given == 1 and room.pending() == []
+        with exclusive.alone(asking, wait_s=0.5) as device:          # C10 inside the same check
+            assert device.alone and (tmp_path / "alone-machine.lock").exists()
+        assert (tmp_path / "alone-machine.lock").exists(), "the hold lasts for the rest of the check"
+    finally:
+        exclusive.release_room()
+    assert not (tmp_path / "alone-machine.lock").exists()
+    assert exclusive.DeviceRoom(config("gw0")).pending() == []       # no request: nothing pending
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "1")
+    assert not exclusive.DeviceRoom(asking).hold(), "no other worker: nothing to ask"
