@@ -552,6 +552,56 @@ def test_prespawned_worker_is_used_only_for_its_environment(model_dir, tmp_path,
         pool.close_all()
 
 
+def test_a_closed_engines_worker_serves_the_next_engine_of_its_environment(model_dir, tmp_path, monkeypatch):
+    """Recycling: a closed engine's worker process (vLLM imported) is its environment's spare, so the
+    next start there waits for no import; never one of another environment, and never a compiled
+    engine's (torch.compile's caches are process-wide)."""
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
+    impl = vimpl.VLLMImplementation(fake="echo", max_idle=0)
+    impl.pool.recycle = True            # off for fake workers by default
+    try:
+        first = impl.make_engine(model_dir)
+        pid, env = first.engine.proc.pid, first.engine.env
+        first.close()                   # max_idle=0: closed at once, its process kept
+        assert impl.pool.recycled == 1 and impl.pool.spares[vipc.env_key(env)].engines == 1
+        with impl.make_engine(model_dir, EngineSettings(max_num_seqs=3)) as second:
+            assert second.engine.proc.pid == pid, "the next start of the environment runs in the kept process"
+            assert "engine 2 of a recycled worker process" in second.history()
+            assert second.generate(_reqs()[:1])[0].request_id == "a"
+            assert impl.pool.recycled_used == 1
+        with impl.make_engine(model_dir, EngineSettings(batch_invariant=False)) as off:
+            assert off.engine.proc.pid != pid and off.engine.engines_before == 0, "another environment's process"
+        assert impl.pool.recycled == 3
+        with impl.make_engine(model_dir, EngineSettings(compilation=True)) as compiled:
+            engine = compiled.engine
+            assert engine.proc.pid == pid and engine.recyclable == "a compiled engine"
+            proc = engine.proc
+        proc.wait(timeout=30)
+        assert all(sp.proc.pid != pid for sp in impl.pool.spares.values()), "a compiled engine's process is ended"
+        assert "worker recycled for the next engine" in Path(engine.log_path).read_text()
+    finally:
+        impl.pool.close_all()
+
+
+def test_a_worker_whose_teardown_keeps_device_memory_is_ended_not_recycled(model_dir, tmp_path, monkeypatch):
+    """The control: the planted teardown leaves 8 GiB held (over RECYCLE_MAX_BYTES), so the process
+    is ended and the next start gets a fresh one."""
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
+    impl = vimpl.VLLMImplementation(fake="keep_memory_on_recycle", max_idle=0)
+    impl.pool.recycle = True
+    try:
+        first = impl.make_engine(model_dir)
+        proc, log = first.engine.proc, first.engine.log_path
+        first.close()
+        proc.wait(timeout=30)
+        assert impl.pool.recycled == 0 and not impl.pool.spares
+        assert "worker not recycled: it still held 8.00 GiB" in Path(log).read_text()
+        with impl.make_engine(model_dir) as second:
+            assert second.engine.proc.pid != proc.pid and second.engine.engines_before == 0
+    finally:
+        impl.pool.close_all()
+
+
 # ---------------------------------------------------------------------------------------------
 # the real engine (GPU + vLLM): the probes see each mechanism engage
 # ---------------------------------------------------------------------------------------------
