@@ -583,6 +583,35 @@ def test_a_closed_engines_worker_serves_the_next_engine_of_its_environment(model
         impl.pool.close_all()
 
 
+@pytest.mark.parametrize("recycle", [True, False], ids=["recycle", "control"])
+def test_a_start_whose_spare_is_still_importing_takes_an_idle_engines_process(model_dir, tmp_path, monkeypatch,
+                                                                             recycle):
+    """No ready process for the environment (its spare still importing: planted by making fresh
+    spares never ready): the least recently used idle engine of that environment is closed and the
+    start runs in its process; the importing spare stays for a later start. Control: without
+    recycling the start waits for the spare and the idle engine stays."""
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
+    monkeypatch.setattr(vipc.SpawnedWorker, "ready", lambda self: self.engines > 0)
+    impl = vimpl.VLLMImplementation(fake="echo", max_idle=2)
+    impl.pool.recycle, impl.pool.prespawn = recycle, True
+    try:
+        with impl.make_engine(model_dir, EngineSettings(max_num_seqs=3)) as first:
+            idle_pid = first.engine.proc.pid
+        env = vipc.worker_env(EngineSettings(), fake="echo")
+        impl.pool.refill(env)
+        spare_pid = impl.pool.spares[vipc.env_key(env)].proc.pid
+        assert impl.pool.spares[vipc.env_key(env)].ready() is False
+        with impl.make_engine(model_dir, EngineSettings(max_num_seqs=5)) as second:
+            pid = second.engine.proc.pid
+        if recycle:
+            assert pid == idle_pid and len(impl.pool.entries) == 1, "the idle engine's process served the start"
+            assert spare_pid in {sp.proc.pid for sp in impl.pool.spares.values()}, "the importing spare stays"
+        else:
+            assert pid == spare_pid and len(impl.pool.entries) == 2, "without recycling it waits for the spare"
+    finally:
+        impl.pool.close_all()
+
+
 def test_a_worker_whose_teardown_keeps_device_memory_is_ended_not_recycled(model_dir, tmp_path, monkeypatch):
     """The control: the planted teardown leaves 8 GiB held (over RECYCLE_MAX_BYTES), so the process
     is ended and the next start gets a fresh one."""
