@@ -22,6 +22,7 @@ pytestmark = pytest.mark.C10
 
 
 @pytest.mark.slow(seconds=190)
+@pytest.mark.device_alone                         # the other workers run short checks until it has timed
 @pytest.mark.engine_config("cuda_graphs=on")     # C5's CUDA-graph engine is C10's invariance-on engine
 def test_throughput_ratio(engine_factory, proxy, impl, pytestconfig, record_metric):
     """Both engines started first; then, with the device to this check alone (no other xdist

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.core.comparison import BitwiseMismatch
+from fixtures.core.comparison import BitwiseMismatch, expecting_mismatch
 from fixtures.core.contract import ResetsPrefixCache, TrainsRL
 from fixtures.core.outcomes import not_applicable, not_available
 from fixtures.diagnose.engine_rows import run_stated
@@ -138,24 +138,31 @@ def resend_after_push(engine, step1, record):
     return collect(warm, stats)
 
 
-def test_skipped_push_is_detected(fresh_pair, proxy, parity):
-    """Negative control: without the weight push the engine is off-policy; hashes and the second
-    rollout's parity must both say so."""
+@pytest.mark.slow(seconds=60)
+def test_skipped_and_lossy_pushes_are_detected(fresh_pair, proxy, parity):
+    """Negative controls, on one engine and trainer after one RL step (one rollout-scale step
+    serves both: the second cost 30-50 s on the H200):
+    - skipped push: the engine is off-policy; the per-tensor hashes and the second rollout's parity
+      must both say so (the parity failure is expected: it is not diagnosed or localised);
+    - lossy push: weights synced through a narrower float (bf16 for fp32 weights, fp8 for bf16
+      ones), a rounding the trainer never holds; the hashes must see it.
+    Each control is judged; a control that did not fire is named."""
     engine, trainer = fresh_pair
-    rl_step(engine, trainer, proxy.config.vocab_size, seed=10, parity=parity)
-    assert mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()), \
-        "skipped push not detected by the per-tensor hashes"
+    vocab = proxy.config.vocab_size
+    rl_step(engine, trainer, vocab, seed=10, parity=parity)
+    silent = []
+    if not mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()):
+        silent.append("skipped push not detected by the per-tensor hashes")
     workload, mbt = parity
-    rs = sample_rollouts(engine, workload.requests(proxy.config.vocab_size, seed=11))
-    with pytest.raises((BitwiseMismatch, AssertionError)):
-        assert_parity(engine, trainer, rs, micro_batch_tokens=mbt)
-
-
-def test_push_through_another_dtype_is_detected(fresh_pair, proxy, parity):
-    """Negative control: weights synced through a narrower float (bf16 for fp32 weights, fp8 for
-    bf16 ones): a rounding the trainer never holds."""
-    engine, trainer = fresh_pair
-    rl_step(engine, trainer, proxy.config.vocab_size, seed=10, parity=parity)
+    rs = sample_rollouts(engine, workload.requests(vocab, seed=11))
+    try:
+        with expecting_mismatch():
+            assert_parity(engine, trainer, rs, micro_batch_tokens=mbt)
+        silent.append(f"skipped push not detected by the parity of the second rollout ({len(rs)} sequences): the "
+                      "stale engine matched the stepped trainer bit for bit")
+    except (BitwiseMismatch, AssertionError):
+        pass
     engine.load_weights({k: v.to(_lossy(v.dtype)).to(v.dtype) for k, v in trainer.export_weights().items()})
-    assert mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()), \
-        "a lossy round trip of the weights went unnoticed by the hashes"
+    if not mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()):
+        silent.append("a lossy round trip of the weights went unnoticed by the hashes")
+    assert not silent, "C9 negative controls did not fire:\n  " + "\n  ".join(silent)

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from fixtures.core.comparison import (BitwiseMismatch, assert_bitwise, compare, float_hex, parity_metrics,
-                                 ulp_distance)
+from fixtures.core.comparison import (BitwiseMismatch, assert_bitwise, compare, expecting_mismatch, float_hex,
+                                     parity_metrics, ulp_distance)
 
 
 def test_equal_bits_pass():
@@ -89,6 +89,24 @@ def test_localisation_is_called_only_on_mismatch():
     broken = lambda: 1 / 0
     with pytest.raises(BitwiseMismatch, match="localisation failed: ZeroDivisionError"):
         assert_bitwise(torch.ones(2), torch.zeros(2), localise=broken)
+
+
+def test_an_expected_mismatch_still_raises_but_runs_no_diagnosis():
+    """A negative control's comparison (expecting_mismatch) fails as ever, with the difference, and
+    neither diagnoses nor localises it; an equal pair still passes inside, and outside the block
+    (the control) both run again."""
+    calls = []
+    loc = lambda: calls.append("localise") or "an op"
+    diag = lambda d: calls.append("diagnose") or "a convention"
+    with expecting_mismatch():
+        assert_bitwise(torch.ones(2), torch.ones(2), localise=loc, diagnose=diag)
+        with pytest.raises(BitwiseMismatch, match="differing positions: 1 of 2") as info:
+            assert_bitwise(torch.ones(2), torch.tensor([1.0, 0.0]), localise=loc, diagnose=diag)
+    assert calls == [] and info.value.diff.count == 1
+    assert "not run: a negative control" in str(info.value)
+    with pytest.raises(BitwiseMismatch, match="first diverging op: an op"):
+        assert_bitwise(torch.ones(2), torch.zeros(2), localise=loc, diagnose=diag)
+    assert calls == ["diagnose", "localise"]
 
 
 def test_a_cuda_fault_in_a_diagnosis_is_an_error_not_a_diagnosis_note():

@@ -54,12 +54,34 @@ def test_pick_prefers_own_keys_then_unowned_and_steals_last():
     assert S.pick([5], 1, n1, keys.get, owner) == [5], "nothing else left: n2's key is taken rather than idle"
 
 
-def _run_schedule(names: list[str], keys: dict[str, str], workers: int = 3, durations=None):
-    """Drive the scheduler as xdist's DSession does, each worker finishing its oldest check in turn."""
+def test_pick_defers_slow_checks_while_the_device_alone_window_is_open():
+    """Deferred checks (slow ones while a device-alone check is open) go after every other check of
+    the worker's own or free keys, and still go rather than leave the worker idle."""
+    keys = {0: None, 1: "m:a", 2: None, 3: None}
+    owner: dict = {}
+    n1 = object()
+    slow = {0, 1}
+    assert S.pick([0, 1, 2, 3], 2, n1, keys.get, owner, defer=slow.__contains__) == [2, 3]
+    assert owner == {}, "a deferred check's key is not taken"
+    assert S.pick([0, 1], 2, n1, keys.get, owner, defer=slow.__contains__) == [0, 1], "nothing else: no idling"
+    assert S.pick([0, 1, 2, 3], 2, object(), keys.get, {}) == [0, 1], "control: without the window, pending order"
+
+
+def _run_schedule(names: list[str], keys: dict[str, str], workers: int = 3, paces=None, sent=None):
+    """Drive the scheduler as xdist's DSession does, each worker finishing its oldest check in turn.
+    `sent`: a list that gets (check, worker, whether a device-alone check was open) per check sent."""
     config = types.SimpleNamespace(getoption=lambda name: 1 if name == "maxschedchunk" else None,
                                    getvalue=lambda name: [f"{workers}*popen"] if name == "tx" else None)
-    sched = S.engine_affinity_scheduler(config, None, lambda: keys)
+    sched = S.engine_affinity_scheduler(config, None, lambda: keys,
+                                        lambda: paces or {"slow": set(), "alone": set()})
     nodes = [_Node(f"gw{i}") for i in range(workers)]
+    if sent is not None:
+        for n in nodes:
+            def send(indices, n=n):
+                open_ = sched.window_open()
+                sent.extend((names[i], n.gateway.id, open_) for i in indices)
+                n.sent.extend(indices)
+            n.send_runtest_some = send
     for n in nodes:
         sched.add_node(n)
         sched.add_node_collection(n, names)
@@ -75,6 +97,27 @@ def _run_schedule(names: list[str], keys: dict[str, str], workers: int = 3, dura
         ran[names[i]] = n.gateway.id
         sched.mark_test_complete(n, i, duration=1.0)
     return ran, sched
+
+
+@pytest.mark.parametrize("window", [True, False], ids=["window", "control-no-alone-check"])
+def test_no_slow_check_starts_beside_an_open_device_alone_check(window):
+    """Collected as the plugin orders them under xdist (the device-alone C10 first, the slow ones
+    next): while C10 is pending or running no other worker is sent a slow check, while short ones
+    are left. Control: without a device-alone check the other workers take the slow ones at once."""
+    names = ["c10", "q0", "slow1", "q1", "slow2", "q2", *[f"q{i}" for i in range(3, 12)], "slow3"]
+    slow = {"c10", "slow1", "slow2", "slow3"}
+    sent: list = []
+    ran, sched = _run_schedule(names, {}, workers=3, paces={"slow": slow, "alone": {"c10"} if window else set()},
+                               sent=sent)
+    assert sorted(ran) == sorted(names), "every check ran exactly once"
+    beside = [(name, w) for name, w, open_ in sent if name in slow and name != "c10" and open_]
+    if window:
+        assert sent[0][:2] == ("c10", "gw0")
+        assert not beside, f"slow checks sent while the device-alone check was open: {beside}"
+        assert any(open_ for _, _, open_ in sent[1:]), "the window was open while short checks were sent"
+    else:
+        first = {name for name, _, _ in sent[:6]}
+        assert {"slow1", "slow2"} <= first, f"control: the slow checks go first without a window ({sent[:6]})"
 
 
 def test_scheduler_keeps_each_engine_configuration_on_one_worker():
