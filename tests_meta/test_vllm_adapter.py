@@ -631,6 +631,96 @@ def test_a_worker_whose_teardown_keeps_device_memory_is_ended_not_recycled(model
         impl.pool.close_all()
 
 
+def _zygote_impl(max_idle: int = 0):
+    """A fake-worker implementation whose pool forks its workers from zygotes (off for fake workers
+    by default, like recycling)."""
+    impl = vimpl.VLLMImplementation(fake="echo", max_idle=max_idle)
+    impl.pool.zygotes = vipc.Zygotes()
+    return impl
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads parent pids from /proc")
+def test_workers_are_forked_from_their_environments_zygote(model_dir, tmp_path, monkeypatch):
+    """Each environment's zygote imports once and forks its workers: an engine's process is the
+    zygote's child (not this process's), serves the protocol, says so in its state line and log,
+    and its start waited for no import; another environment gets a zygote of its own; a forked
+    worker that dies is seen dead (the client refuses it), and closing ends it."""
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
+    impl = _zygote_impl()
+    try:
+        with impl.make_engine(model_dir) as first:
+            z = impl.pool.zygotes.of(vipc.worker_env(EngineSettings(), fake="echo"))
+            proc = first.engine.proc
+            assert isinstance(proc, vipc.ForkedProcess) and _ppid(proc.pid) == z.proc.pid != os.getpid()
+            assert first.generate(_reqs()[:1])[0].request_id == "a"
+            assert "forked from its environment's zygote" in first.history()
+            assert "forked from the zygote pid" in Path(first.engine.log_path).read_text()
+            assert z.state == "ready" and "zygote ready: forkable" in Path(z.log_path).read_text()
+        assert proc.wait(timeout=30) == -1, "closing the engine ends the forked worker"
+        with impl.make_engine(model_dir, EngineSettings(batch_invariant=False)) as off:
+            z_off = impl.pool.zygotes.of(vipc.worker_env(EngineSettings(batch_invariant=False), fake="echo"))
+            assert z_off is not z and _ppid(off.engine.proc.pid) == z_off.proc.pid
+            assert off.engine.info["env"]["VLLM_BATCH_INVARIANT"] == "0", "the zygote's environment is the worker's"
+        with impl.make_engine(model_dir, EngineSettings(max_num_seqs=3)) as third:
+            third.engine.proc.kill()
+            third.engine.proc.wait(timeout=30)
+            with pytest.raises(vipc.VLLMWorkerError, match="not running"):
+                third.generate(_reqs()[:1])
+        assert impl.pool.forked_used == 3 and z.forks == 2
+    finally:
+        impl.pool.close_all()
+    assert z.proc.poll() is not None, "the pool's end ends its zygotes"
+
+
+def test_a_spare_is_forked_at_once_and_a_start_waits_for_an_importing_zygote(model_dir, tmp_path, monkeypatch):
+    """refill forks a spare only once the zygote has imported (never a second import meanwhile); a
+    start with no spare waits for the zygote's imports and counts that wait as an import wait."""
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
+    impl = _zygote_impl(max_idle=2)
+    impl.pool.prespawn = True
+    env = vipc.worker_env(EngineSettings(), fake="echo")
+    try:
+        impl.pool.refill(env)
+        assert impl.pool.spares == {} and impl.pool.zygotes.of(env).state == "importing", \
+            "no spare while its zygote imports (nor a spawned one)"
+        with impl.make_engine(model_dir) as first:
+            assert first.engine.forked and _ppid(first.engine.proc.pid) == impl.pool.zygotes.of(env).proc.pid
+            assert "waiting for the worker's vLLM import" in first.engine.info["start_phases"]
+        spare = impl.pool.spares[vipc.env_key(env)]
+        assert spare.forked and spare.ready(), "after a start the next one's spare is forked at once"
+        with impl.make_engine(model_dir, EngineSettings(max_num_seqs=3)) as second:
+            assert second.engine.proc.pid == spare.proc.pid
+    finally:
+        impl.pool.close_all()
+
+
+def test_a_zygote_that_cannot_fork_falls_back_to_spawned_workers(model_dir, tmp_path, monkeypatch):
+    """The control: a zygote that refuses to fork (planted, as one whose imports started a thread
+    or CUDA would) says why in its log, and the workers are spawned as without zygotes (this
+    process's children), every engine working."""
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
+    monkeypatch.setenv("CONFORMANCE_ZYGOTE_PLANT", "unforkable")
+    impl = _zygote_impl()
+    impl.pool.prespawn = True
+    env = vipc.worker_env(EngineSettings(), fake="echo")
+    try:
+        with impl.make_engine(model_dir) as first:
+            assert not first.engine.forked and _ppid(first.engine.proc.pid) == os.getpid()
+            assert first.generate(_reqs()[:1])[0].request_id == "a"
+        why = impl.pool.zygotes.failed(env)
+        assert why and "cannot fork: planted" in why
+        assert "NOT forkable: planted" in Path(impl.pool.zygotes.of(env).log_path).read_text()
+        impl.pool.refill(env)
+        assert not impl.pool.spares[vipc.env_key(env)].forked, "spares are spawned again"
+        assert impl.pool.forked_used == 0
+    finally:
+        impl.pool.close_all()
+
+
 # ---------------------------------------------------------------------------------------------
 # the real engine (GPU + vLLM): the probes see each mechanism engage
 # ---------------------------------------------------------------------------------------------
