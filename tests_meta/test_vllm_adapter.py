@@ -631,6 +631,32 @@ def test_a_worker_whose_teardown_keeps_device_memory_is_ended_not_recycled(model
         impl.pool.close_all()
 
 
+def test_the_workers_environment_is_the_configured_one_not_what_checks_set_later(model_dir, tmp_path, monkeypatch):
+    """A variable this process gains after the implementation is configured (torch's profiler sets
+    TEARDOWN_CUPTI=0 here when a check profiles) does not reach the workers: the configured
+    spare still serves the next start. Control: the worker environment of the process as it is
+    now is another one, and a pool asked for it says which variable differs (its costs)."""
+    from fixtures.core import costs
+    monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    impl = vimpl.VLLMImplementation(fake="echo", max_idle=0)
+    impl.pool.prespawn = True
+    try:
+        impl.prepare_process()
+        spare = impl.pool.spares[vipc.env_key(impl._env(EngineSettings()))]
+        monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+        with impl.make_engine(model_dir) as lease:
+            assert lease.engine.proc.pid == spare.proc.pid and "TEARDOWN_CUPTI" not in lease.engine.env
+        now = vipc.worker_env(EngineSettings(), fake="echo")
+        assert not vipc.same_env(now, spare.env), "control: the process's environment did change"
+        costs.drain()
+        assert impl.pool.take_spare(now) is None, "no spare of the changed environment"
+        noted = [e["what"] for e in costs.drain() if e["kind"] == "worker environment new to this process"]
+        assert noted and "TEARDOWN_CUPTI (unset -> 0)" in noted[0], noted
+    finally:
+        impl.pool.close_all()
+
+
 def _zygote_impl(max_idle: int = 0):
     """A fake-worker implementation whose pool forks its workers from zygotes (off for fake workers
     by default, like recycling)."""
