@@ -354,3 +354,23 @@ def test_float64_reference_batches_its_experts():
     assert experts and set(got) == set(want)
     for n in want:
         assert torch.allclose(got[n], want[n], rtol=0, atol=1e-13 * float(want[n].abs().max())), n
+
+
+@pytest.mark.parametrize("piece", [7, 1 << 26], ids=["pieces", "whole"])
+def test_relative_errors_are_the_float64_formula_piece_by_piece(monkeypatch, piece):
+    """C8's per-parameter error, max |g - g64| / max |g64| in float64, is the same number whether
+    the kept reference is compared whole or a piece at a time on g's device: a bf16 gradient
+    against a float32 reference (the GPU lane's kept gradients) and a float64 one, a parameter the
+    trainer lacks (inf), and an exact one (0). The control: one changed element is seen."""
+    from fixtures.checks import grad_model as GM
+    monkeypatch.setattr(GM, "_PIECE", piece)
+    g = torch.Generator().manual_seed(0)
+    ref32 = torch.randn(5, 9, generator=g)
+    got16 = (ref32 * (1 + torch.randn(5, 9, generator=g) * 1e-2)).to(torch.bfloat16)
+    ref64 = torch.randn(23, generator=g, dtype=torch.float64)
+    out = GM._relative_errors({"a": got16, "b": ref64.clone()}, {"a": ref32, "b": ref64, "c": ref32})
+    want = float((got16.double() - ref32.double()).abs().max() / ref32.double().abs().max())
+    assert out["a"] == want and out["b"] == 0.0 and out["c"] == float("inf")
+    bumped = ref64.clone()
+    bumped[17] += 1e-9
+    assert GM._relative_errors({"b": bumped}, {"b": ref64})["b"] > 0, "control: one element changed is seen"
