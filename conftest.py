@@ -149,7 +149,7 @@ def inventory(trainer, proxy, model_name, impl, artifact_dir):
 
 
 @pytest.fixture(scope="session")
-def engine_kernel_inventory(engine_factory, proxy, model_name, artifact_dir):
+def engine_kernel_inventory(engine_factory, proxy, model_name, artifact_dir, pytestconfig):
     """The engine's own kernels (an engine that is InventoriesKernels, i.e. vLLM): every CUDA
     kernel launched for a prefill + decode + sampling workload
     (fixtures.checks.workloads.kernel_inventory_workload), with the op, module class and phase that
@@ -158,18 +158,23 @@ def engine_kernel_inventory(engine_factory, proxy, model_name, artifact_dir):
     import json
     from fixtures.checks.workloads import kernel_inventory_workload
     from fixtures.core.contract import EngineSettings, InventoriesKernels
-    from fixtures.plugin.state import model_id
-    with engine_factory(EngineSettings(cuda_graphs=False, compilation=False)) as engine:
-        if not isinstance(engine, InventoriesKernels):
-            from fixtures.core.outcomes import not_applicable
-            not_applicable("the engine is not InventoriesKernels (its kernels are the trainer's, "
-                           "inventoried by test_c0_inventory.py)", capability=InventoriesKernels)
-        try:
-            inv = engine.kernel_inventory(kernel_inventory_workload(proxy.config.vocab_size),
-                                          model=model_id(model_name))
-        except NotImplementedError as exc:
-            skip_not_available(exc, "no kernel inventory")
+    from fixtures.plugin.state import model_id, once_per_run
     name = f"engine-kernels-{model_id(model_name)}"
-    (artifact_dir / f"{name}.json").write_text(json.dumps(inv.as_dict(), indent=1, sort_keys=True))
-    (artifact_dir / f"{name}.md").write_text(inv.markdown())
-    return inv
+
+    def inventory():
+        with engine_factory(EngineSettings(cuda_graphs=False, compilation=False)) as engine:
+            if not isinstance(engine, InventoriesKernels):
+                from fixtures.core.outcomes import not_applicable
+                not_applicable("the engine is not InventoriesKernels (its kernels are the trainer's, "
+                               "inventoried by test_c0_inventory.py)", capability=InventoriesKernels)
+            try:
+                inv = engine.kernel_inventory(kernel_inventory_workload(proxy.config.vocab_size),
+                                              model=model_id(model_name))
+            except NotImplementedError as exc:
+                skip_not_available(exc, "no kernel inventory")
+        (artifact_dir / f"{name}.json").write_text(json.dumps(inv.as_dict(), indent=1, sort_keys=True))
+        (artifact_dir / f"{name}.md").write_text(inv.markdown())
+        return inv
+    from fixtures.plugin.exclusive import answer_room_requests
+    # one engine and profile for all xdist workers; a waiting one answers the computing one's room request
+    return once_per_run(pytestconfig, name, inventory, while_waiting=lambda: answer_room_requests(pytestconfig))

@@ -151,6 +151,8 @@ def test_no_private_name_crosses_a_module():
 CHILD_NEVER_IMPORTS = {
     "fixtures.vllm.worker": {"fixtures.vllm.client", "fixtures.vllm.pool", "fixtures.vllm.implementation"},
     "fixtures.vllm.kernel_worker": {"fixtures.vllm.kernel_cases", "fixtures.vllm.client"},
+    "fixtures.vllm.zygote": {"fixtures.vllm.client", "fixtures.vllm.pool", "fixtures.vllm.spares",
+                             "fixtures.vllm.implementation"},
 }
 
 
