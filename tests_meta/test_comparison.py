@@ -1,10 +1,12 @@
 """The one comparison helper: bitwise semantics and a failure message that stands alone."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from fixtures.core.comparison import (BitwiseMismatch, assert_bitwise, compare, expecting_mismatch, float_hex,
                                      parity_metrics, ulp_distance)
@@ -59,6 +61,63 @@ def test_structural_mismatches():
     assert "sequences" in compare([a, a], [a]).structural
     with pytest.raises(BitwiseMismatch, match="structural"):
         assert_bitwise(a, a.to(torch.bfloat16))
+
+
+_SPECIALS = [0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, -1.0]
+
+
+@given(rows=st.integers(1, 9), cols=st.integers(1, 7), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+       changes=st.lists(st.tuples(st.integers(0, 62), st.sampled_from(["ulp", "special", "value"]),
+                                  st.sampled_from(_SPECIALS)), max_size=6),
+       piece=st.integers(1, 20))
+@settings(max_examples=150, deadline=None)
+def test_a_whole_tensor_differs_as_its_rows_do(rows, cols, dtype, changes, piece):
+    """compare() of two same-shape tensors (computed where they live, a piece of rows at a time)
+    gives the Difference the row-by-row loop gives (a list of the rows), NaN, infinities and -0.0
+    included, at any piece size."""
+    g = torch.Generator().manual_seed(rows * 100 + cols)
+    a = (torch.randn(rows, cols, generator=g) * 4).to(dtype)
+    b = a.clone()
+    for at, kind, special in changes:
+        r, c = divmod(at % (rows * cols), cols)
+        if dtype == torch.int64:
+            b[r, c] += 1
+        elif kind == "ulp":
+            b[r, c] = torch.nextafter(b[r, c].float(), torch.tensor(math.inf)).to(dtype)
+        elif kind == "special":
+            b[r, c] = special
+        else:
+            a[r, c] = special
+    with _pieces_of(piece):
+        whole = compare(a, b)
+    loop = compare(list(a), list(b))
+    for field in ("count", "total", "first", "lhs_hex", "rhs_hex", "ulp", "first_sequence_absdiff"):
+        assert repr(getattr(whole, field)) == repr(getattr(loop, field)), field
+    assert repr(whole.max_abs) == repr(loop.max_abs)
+    assert repr((whole.lhs_value, whole.rhs_value)) == repr((loop.lhs_value, loop.rhs_value))
+    flat = compare(a.reshape(-1), b.reshape(-1))      # one row: the loop's [x]
+    assert (flat.count, flat.total) == (loop.count, loop.total)
+
+
+@contextlib.contextmanager
+def _pieces_of(elements: int):
+    from fixtures.core import comparison
+    old, comparison._PIECE_ELEMENTS = comparison._PIECE_ELEMENTS, elements
+    try:
+        yield
+    finally:
+        comparison._PIECE_ELEMENTS = old
+
+
+def test_a_whole_tensor_difference_control():
+    """Control of the equivalence above: a change the loop sees, the whole-tensor path sees too
+    (one element of the last row of a 3-D tensor, in the last piece)."""
+    a = torch.zeros(5, 3, 4)
+    b = a.clone()
+    b[4, 2, 3] = 1.0
+    with _pieces_of(12):
+        d = compare(a, b)
+    assert (d.count, d.first, d.max_abs, d.total) == (1, (4, 11), 1.0, 60)
 
 
 def test_ulp_distance_across_zero_and_signs():

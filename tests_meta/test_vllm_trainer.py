@@ -141,6 +141,62 @@ def test_c8_float64_side_makes_room_on_the_device_and_keeps_its_gradients_off_it
     assert rooms == [need], rooms
 
 
+def test_c8_reference_is_float32_on_the_device_when_float64_does_not_fit_a_16_bit_trainer(monkeypatch):
+    """A bf16 trainer whose float64 copy does not fit this worker's share, but a float32 one does,
+    gets the float32 copy on its device (not the CPU: 92-157 s a run on the H200) and the reason;
+    a float32 trainer never gets a float32 reference (float64 on the CPU); nor does one where
+    neither fits."""
+    from fixtures.checks import grad_model
+    from fixtures.core import gpu_memory
+    n = 2000 * 2000 + 2000
+    need64, need32 = n * (16 + 4) + (1 << 30), n * (8 + 4) + (1 << 30)
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    monkeypatch.setattr(gpu_memory, "make_room", lambda n=None: 0)
+    fits = {need32}
+    monkeypatch.setattr(gpu_memory, "fits_this_worker", lambda device, need: need in fits)
+    got = grad_model.reference_placement(torch.nn.Linear(2000, 2000, dtype=torch.bfloat16, device="meta"))
+    assert (got.device, got.dtype, got.keep_device, got.keep_dtype) == (meta, torch.float32, cpu, torch.float32), got
+    assert "float64" in got.why and "does not fit" in got.why
+    wide = grad_model.reference_placement(torch.nn.Linear(2000, 2000, dtype=torch.float32, device="meta"))
+    assert (wide.device, wide.dtype) == (cpu, torch.float64), wide      # control: a float32 trainer
+    fits.clear()
+    short = grad_model.reference_placement(torch.nn.Linear(2000, 2000, dtype=torch.bfloat16, device="meta"))
+    assert (short.device, short.dtype) == (cpu, torch.float64) and "nor float32" in short.why, short
+
+
+def test_c8_float32_reference_of_a_bf16_trainer_judges_as_the_float64_one(proxy_dir, monkeypatch):
+    """The float32 reference's own error is far under the bound it serves: against the float64
+    reference on the same batches it is within 2^-10 of the bf16 trainer's bound level at every
+    parameter; the correct trainer passes against it, the planted projection rises, and the
+    message names the reference."""
+    import contextlib
+    from fixtures.checks import grad_checks as G
+    from fixtures.checks import grad_model
+    trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=torch.bfloat16, device="cpu")
+    module = trainer.module()
+    batches = G.seeded_batches(trainer.model.config.vocab_size, seeds=(0, 1))
+    ref64 = G.reference_grads(module, batches)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(grad_model, "reference_placement", lambda m: grad_model.Placement(
+        cpu, cpu, torch.float32, torch.float32, "planted: float64 does not fit"))
+    ref32 = G.reference_grads(module, batches)
+    assert ref32.reference.startswith("float32 on cpu") and ref64.reference.startswith("float64 on cpu")
+    for a, b in zip(ref32.g64, ref64.g64):
+        worst = max(grad_model._relative_errors(a, b).values())
+        assert worst <= ref64.level / 2 ** 10, (worst, ref64.level)
+    assert abs(ref32.eps_stock - ref64.eps_stock) <= ref64.level / 2 ** 10
+
+    def loss(_model, seqs):
+        return -torch.cat([lp.reshape(-1) for lp in trainer.logprobs_with_grad(seqs)]).mean()
+    own = contextlib.nullcontext
+    rep = G.check_model_grads(module, ref32, loss, kernel_mode=own)
+    assert rep.ok, rep.message()
+    assert "float32 on cpu (planted: float64 does not fit)" in rep.message()
+    with G.planted_in_trainer("projection_grad_scaled", module, u=ref32.u) as plant:
+        bad = G.check_model_grads(module, ref32, loss, kernel_mode=own)
+    assert plant.engaged and bad.ratios[plant.parameter] > 2 * rep.ratios[plant.parameter], bad.message()
+
+
 @pytest.mark.parametrize("dtype, kept", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
 def test_c8_float64_side_moves_to_the_cpu_when_the_share_is_short(proxy_dir, monkeypatch, dtype, kept):
     """Where the float64 copy and its kept gradients do not fit this worker's GPU share (measured
@@ -155,7 +211,8 @@ def test_c8_float64_side_moves_to_the_cpu_when_the_share_is_short(proxy_dir, mon
     trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=dtype, device="cpu")
     module = trainer.module()
     cpu = torch.device("cpu")
-    assert grad_model.reference_placement(module) == grad_model.Placement(cpu, cpu, kept)
+    where = grad_model.reference_placement(module)
+    assert (where.device, where.keep_device, where.keep_dtype, where.dtype) == (cpu, cpu, kept, torch.float64), where
 
     def loss(_model, seqs):
         return -torch.cat([lp.reshape(-1) for lp in trainer.logprobs_with_grad(seqs)]).mean()
