@@ -53,3 +53,18 @@ def test_time_section_says_where_engine_starts_went():
     text = "\n".join(time_section(checks))
     assert ("- engine start: 3 taking 38 s; of which load weights 15 s, profile run 7 s; the rest 16 s "
             "(outside them: the client, the pipe, the suite's probes, retries)") in text, text
+
+
+def test_time_section_says_what_a_rare_cost_was_about():
+    """A cost seen at most costs.WHATS_KEPT times in the run prints what it was about (where C8's
+    reference ran, which worker variables were new); a frequent one (engine starts) does not."""
+    from fixtures.core import costs
+    from fixtures.plugin.report import time_section
+    ref = costs.summarise([{"kind": "C8 reference gradients", "s": 33.0, "what": "float32 on cuda:0 (float64 does not fit)"}])
+    starts = costs.summarise([{"kind": "engine start", "s": 1.0, "what": f"engine {i}"} for i in range(5)])
+    assert starts["engine start"]["what"] == ["engine 0", "engine 1", "engine 2"]      # bounded
+    checks = [{"nodeid": "a", "gate": "C8", "duration_s": 40.0, "costs": ref},
+              {"nodeid": "b", "gate": "C4", "duration_s": 9.0, "costs": starts}]
+    text = "\n".join(time_section(checks))
+    assert "- C8 reference gradients: 1 taking 33 s: float32 on cuda:0 (float64 does not fit)" in text, text
+    assert "- engine start: 5 taking 5 s\n" in text + "\n" and "engine 0" not in text, text

@@ -255,7 +255,7 @@ class IdleEngines:
 
 HOLDER = IdleEngines()
 gpu_memory.register(HOLDER)
-CALLS = {"once": 0, "always": 0, "host": 0}
+CALLS = {"once": 0, "always": 0, "host": 0, "raw": 0}
 
 @pytest.mark.C1
 def test_oom_once():
@@ -271,6 +271,13 @@ def test_oom_always():
     raise torch.OutOfMemoryError(f"CUDA out of memory (attempt {CALLS['always']}). Tried to allocate 1.00 GiB")
 
 @pytest.mark.C1
+def test_raw_cuda_allocation_in_a_helper_process_once():
+    # as the suite's vLLM kernel worker relays a failed cudaMalloc (KernelWorkerError, a RuntimeError)
+    CALLS["raw"] += 1
+    if CALLS["raw"] == 1:
+        raise RuntimeError("run linear: AcceleratorError: CUDA error: out of memory")
+
+@pytest.mark.C1
 def test_host_memory_error_is_not_rerun():
     CALLS["host"] += 1
     raise MemoryError(f"attempt {CALLS['host']}")
@@ -280,12 +287,15 @@ def test_host_memory_error_is_not_rerun():
 def test_a_check_out_of_cuda_memory_is_rerun_once_after_freeing_idle_engines(suite, monkeypatch):
     """A CUDA OOM of the check's own allocation: this worker's idle engines are freed and the check
     runs again; it passes if the rerun fits (its costs say so), and is "error: out of memory" with
-    the rerun's message if not. A host MemoryError is not rerun (freeing GPU memory cannot help)."""
+    the rerun's message if not; a raw CUDA allocation's "CUDA error: out of memory" (a helper
+    process's) is rerun too. A host MemoryError is not rerun (freeing GPU memory cannot help)."""
     monkeypatch.setenv("CONFORMANCE_OOM_WAIT_S", "0")
     pt = suite({"tests_c0_inventory/test_rerun.py": RERUN})
     res = pt.runpytest_inprocess(*ARGS, "--report=rep")
-    res.assert_outcomes(passed=1, failed=2)
+    res.assert_outcomes(passed=2, failed=2)
     checks = _checks(_report(pt)[0])
+    raw = checks["test_raw_cuda_allocation_in_a_helper_process_once"]
+    assert raw["outcome"] == "passed" and raw["costs"]["rerun after out of GPU memory"]["n"] == 1, raw
     once = checks["test_oom_once"]
     assert once["outcome"] == "passed" and once["costs"]["rerun after out of GPU memory"]["n"] == 1, once
     always = checks["test_oom_always"]
