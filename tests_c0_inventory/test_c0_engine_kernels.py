@@ -19,8 +19,9 @@ import pytest
 from fixtures.checks.workloads import kernel_inventory_workload
 from fixtures.core.contract import ChecksEngineKernels, RunsEngineKernels
 from fixtures.core.outcomes import not_applicable
+from fixtures.plugin.scheduling import ENGINE_KERNEL_SETUP
 
-pytestmark = pytest.mark.C0
+pytestmark = [pytest.mark.C0, pytest.mark.shared_setup(ENGINE_KERNEL_SETUP)]
 
 
 @pytest.fixture(scope="module")

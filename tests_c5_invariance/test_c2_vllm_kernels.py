@@ -30,9 +30,10 @@ from fixtures.checks import workloads as W
 from fixtures.core.comparison import BitwiseMismatch, assert_bitwise
 from fixtures.core.contract import ChecksEngineKernels
 from fixtures.core.outcomes import must_fire, not_applicable
+from fixtures.plugin.scheduling import ENGINE_KERNEL_SETUP
 from fixtures.plugin.state import STATE
 
-pytestmark = [pytest.mark.C2, pytest.mark.gpu, pytest.mark.vllm]
+pytestmark = [pytest.mark.C2, pytest.mark.gpu, pytest.mark.vllm, pytest.mark.shared_setup(ENGINE_KERNEL_SETUP)]
 
 THRESHOLD_SIZES = list(W.TOKEN_THRESHOLDS)
 CONTROL_SIZES = list(W.STOCK_CONTROL_SIZES)

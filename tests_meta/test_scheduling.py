@@ -181,3 +181,19 @@ def test_xdist_run_puts_one_configuration_on_one_worker(write_suite, tmp_path):
     for b in range(1, 5):
         assert ran[f"chunked-{b}"] == ran[f"budget-{b}"], ran
     assert ran["shared-0"] == ran["shared-1"], ran       # a shared session fixture: one worker too
+
+
+def test_the_engine_kernel_inventory_and_its_c2_checks_share_one_worker():
+    """C0's engine-kernel checks and C2's checks of the engine's own kernels declare one
+    shared_setup key (the profiled inventory both need, the kernel worker processes C2 starts), so
+    one xdist worker runs them back to back; control: C2's checks of the suite's own kernels
+    (test_c2_kernels.py, no engine) declare none."""
+    import tests_c0_inventory.test_c0_engine_kernels as c0
+    import tests_c5_invariance.test_c2_kernels as c2_own
+    import tests_c5_invariance.test_c2_vllm_kernels as c2
+
+    def shared(module):
+        marks = module.pytestmark if isinstance(module.pytestmark, list) else [module.pytestmark]
+        return [m.args[0] for m in marks if m.name == S.SETUP_MARK]
+    assert shared(c0) == shared(c2) == [S.ENGINE_KERNEL_SETUP]
+    assert shared(c2_own) == []
