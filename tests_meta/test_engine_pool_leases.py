@@ -63,3 +63,24 @@ def test_control_without_the_move_the_push_leaks(fake_vllm_impl, fake_model_dir,
     assert session.engine.proc is before
     assert session.weight_hashes() == {k: tensor_sha256(v) for k, v in PUSHED.items()}
     session.close()
+
+
+def test_weight_hashes_in_threads_are_the_per_tensor_hashes_in_order():
+    """tensor_sha256s (C9's weight hashes, a few tensors at a time in threads) gives each tensor's
+    tensor_sha256 under its name, in the input's order, from a mapping or from pairs; control: one
+    element changed by one ULP changes that tensor's digest and no other."""
+    import torch
+    from fixtures.reference.hf_trainer import tensor_sha256s
+    g = torch.Generator().manual_seed(5)
+    weights = {f"w{i}": torch.randn(17 + i, 3, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
+               for i in range(11)}
+    weights["empty"] = torch.zeros(0)
+    want = {k: tensor_sha256(v) for k, v in weights.items()}
+    got = tensor_sha256s(weights)
+    assert got == want and list(got) == list(weights)
+    assert tensor_sha256s(iter(weights.items())) == want
+    changed = dict(weights)
+    changed["w4"] = weights["w4"].clone()
+    changed["w4"][3, 1] = torch.nextafter(changed["w4"][3, 1], torch.tensor(float("inf")))
+    other = tensor_sha256s(changed)
+    assert [k for k in want if other[k] != want[k]] == ["w4"]
