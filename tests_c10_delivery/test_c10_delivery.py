@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from fixtures.checks.throughput import (check_ratio, parse_min_throughput_ratio, throughput_metrics, throughput_ratio,
-                                        time_rollout)
+                                        time_rollout, warm_up)
 from fixtures.checks.workloads import rollout_workload
 from fixtures.core.contract import EngineSettings
 from fixtures.plugin.exclusive import alone
@@ -25,8 +25,9 @@ pytestmark = pytest.mark.C10
 @pytest.mark.device_alone                         # the other workers run short checks until it has timed
 @pytest.mark.engine_config("cuda_graphs=on")     # C5's CUDA-graph engine is C10's invariance-on engine
 def test_throughput_ratio(engine_factory, proxy, impl, pytestconfig, record_metric):
-    """Both engines started first; then, with the device to this check alone (no other xdist
-    worker runs a check meanwhile: fixtures.plugin.exclusive), each side's warm-up and timed runs."""
+    """Both engines started first; then the device's lock taken, both warm-ups run while the other
+    workers' running checks end, and, with the device to this check alone (no other xdist worker
+    runs a check meanwhile: fixtures.plugin.exclusive), each side's timed runs."""
     workload = rollout_workload(pytestconfig.getoption("--rollout-workload"), impl.device())
     minimum = parse_min_throughput_ratio(pytestconfig.getoption("--min-throughput-ratio"))
     vocab = proxy.config.vocab_size
@@ -36,10 +37,15 @@ def test_throughput_ratio(engine_factory, proxy, impl, pytestconfig, record_metr
     measured = {}
     with engine_factory(EngineSettings(batch_invariant=True, **extra)) as on_engine, \
             engine_factory(EngineSettings(batch_invariant=False, **extra)) as off_engine:
-        with alone(pytestconfig) as device:
-            for invariant, engine in ((True, on_engine), (False, off_engine)):
+        sides = ((True, on_engine), (False, off_engine))
+
+        def warm_both():
+            for invariant, engine in sides:
+                warm_up(engine, workload, vocab, batch_invariant=invariant)
+        with alone(pytestconfig, meanwhile=warm_both) as device:
+            for invariant, engine in sides:
                 measured[invariant] = time_rollout(engine, workload, vocab, batch_invariant=invariant,
-                                                   cuda_graphs=graphs)
+                                                   cuda_graphs=graphs, warmed=True)
     on, off = measured[True], measured[False]
     for name, value in throughput_metrics(workload, on, off).items():
         record_metric(name, value)

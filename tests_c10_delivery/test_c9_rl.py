@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fixtures.core import costs
 from fixtures.core.comparison import BitwiseMismatch, expecting_mismatch
 from fixtures.core.contract import ResetsPrefixCache, TrainsRL
 from fixtures.core.outcomes import not_applicable, not_available
@@ -42,19 +43,33 @@ def parity(impl, pytestconfig):
     return workload, trainer_micro_batch_tokens(pytestconfig) or workload.micro_batch_tokens
 
 
-def rl_step(engine, trainer, vocab: int, seed: int, parity, record=None, label="", rollouts=None):
+@pytest.fixture
+def phases():
+    """Where a C9 check's minutes go (set-up, rollouts, parity, optimizer steps, hashes, push): one
+    "C9 phases" cost with its parts, in the report's time section."""
+    timer = costs.Phases("C9 phases")
+    yield timer
+    timer.record()
+
+
+def rl_step(engine, trainer, vocab: int, seed: int, parity, phases, record=None, label="", rollouts=None):
     """Rollout (or the given `rollouts`), parity with the trainer, one optimizer step per micro-batch."""
     workload, mbt = parity
-    rs = rollouts if rollouts is not None else sample_rollouts(engine, workload.requests(vocab, seed=seed))
-    metrics = assert_parity(engine, trainer, rs, record=record, label=label, micro_batch_tokens=mbt)
+    if rollouts is None:
+        with phases("rollouts"):
+            rollouts = sample_rollouts(engine, workload.requests(vocab, seed=seed))
+    rs = rollouts
+    with phases("parity (trainer logprobs)"):
+        metrics = assert_parity(engine, trainer, rs, record=record, label=label, micro_batch_tokens=mbt)
     rewards = torch.tensor([reward(r.token_ids) for r in rs], dtype=torch.float64)
     adv = (rewards - rewards.mean()).tolist()
     if not any(adv):
         adv = [1.0 if i % 2 else -1.0 for i in range(len(rs))]   # keep the step non-trivial
     info = {}
-    for mb in pack_micro_batches([len(r.sequence) for r in rs], mbt):
-        info = trainer.train_step([rs[k].sequence for k in mb], prompt_lens=[len(rs[k].prompt_ids) for k in mb],
-                                  advantages=[adv[k] for k in mb])
+    with phases("optimizer steps"):
+        for mb in pack_micro_batches([len(r.sequence) for r in rs], mbt):
+            info = trainer.train_step([rs[k].sequence for k in mb], prompt_lens=[len(rs[k].prompt_ids) for k in mb],
+                                      advantages=[adv[k] for k in mb])
     return metrics, info
 
 
@@ -69,43 +84,54 @@ def mismatched_hashes(a: dict, b: dict) -> list[str]:
 
 
 @pytest.fixture
-def fresh_pair(impl, proxy):
+def fresh_pair(impl, proxy, phases):
     """A trainer and an engine of their own: C9 changes weights, the session ones stay untouched."""
-    trainer = impl.make_trainer(proxy.path)
+    with phases("trainer set-up"):
+        trainer = impl.make_trainer(proxy.path)
     if not isinstance(trainer, TrainsRL):
         trainer.close()
         not_applicable("the trainer is not TrainsRL (no train_step / weight_hashes / export_weights: no RL step "
                        "to take)", capability=TrainsRL)
     try:
-        engine = impl.make_engine(proxy.path)
+        with phases("engine set-up"):
+            engine = impl.make_engine(proxy.path)
     except NotImplementedError as exc:
         trainer.close()
         not_available(exc, "no engine")
     if not engine.capabilities().weight_update:
         not_applicable("the engine has no weight update path", feature="weight_update")
     yield engine, trainer
-    engine.close()
-    trainer.close()
+    with phases("closing"):
+        engine.close()
+        trainer.close()
 
 
 @pytest.mark.slow(seconds=100)
-def test_two_rl_steps_stay_exactly_on_policy(fresh_pair, proxy, parity, record_metric):
+def test_two_rl_steps_stay_exactly_on_policy(fresh_pair, proxy, parity, phases, record_metric):
     engine, trainer = fresh_pair
     vocab = proxy.config.vocab_size
-    before = trainer.weight_hashes()
-    assert mismatched_hashes(engine.weight_hashes(), before) == [], "engine and trainer start from different weights"
+    with phases("weight hashes"):
+        before = trainer.weight_hashes()
+        start_bad = mismatched_hashes(engine.weight_hashes(), before)
+    assert start_bad == [], "engine and trainer start from different weights"
     step1 = parity[0].requests(vocab, seed=10)
-    rl_step(engine, trainer, vocab, seed=10, parity=parity, record=record_metric, label="step1_")
-    prompts_held(engine, step1, record_metric)
-    after = trainer.weight_hashes()
+    rl_step(engine, trainer, vocab, seed=10, parity=parity, phases=phases, record=record_metric, label="step1_")
+    with phases("rollouts"):
+        prompts_held(engine, step1, record_metric)
+    with phases("weight hashes"):
+        after = trainer.weight_hashes()
     changed = mismatched_hashes(before, after)
     assert changed, "the optimizer step changed no parameter"
-    engine.load_weights(trainer.export_weights())
-    bad = mismatched_hashes(engine.weight_hashes(), after)
+    with phases("weight push"):
+        engine.load_weights(trainer.export_weights())
+    with phases("weight hashes"):
+        bad = mismatched_hashes(engine.weight_hashes(), after)
     assert not bad, f"after the weight push {len(bad)} tensors differ between engine and trainer: {bad[:5]}"
     record_metric("tensors_changed", len(changed))
-    rs = resend_after_push(engine, step1, record_metric)
-    rl_step(engine, trainer, vocab, seed=11, parity=parity, record=record_metric, label="step2_", rollouts=rs)
+    with phases("rollouts"):
+        rs = resend_after_push(engine, step1, record_metric)
+    rl_step(engine, trainer, vocab, seed=11, parity=parity, phases=phases, record=record_metric, label="step2_",
+            rollouts=rs)
 
 
 STEP2_STATE = ("warm from step 1 (its prompts ran on the old weights, then the weight push; the prefix cache as the "
@@ -139,7 +165,7 @@ def resend_after_push(engine, step1, record):
 
 
 @pytest.mark.slow(seconds=60)
-def test_skipped_and_lossy_pushes_are_detected(fresh_pair, proxy, parity):
+def test_skipped_and_lossy_pushes_are_detected(fresh_pair, proxy, parity, phases):
     """Negative controls, on one engine and trainer after one RL step (one rollout-scale step
     serves both: the second cost 30-50 s on the H200):
     - skipped push: the engine is off-policy; the per-tensor hashes and the second rollout's parity
@@ -149,20 +175,24 @@ def test_skipped_and_lossy_pushes_are_detected(fresh_pair, proxy, parity):
     Each control is judged; a control that did not fire is named."""
     engine, trainer = fresh_pair
     vocab = proxy.config.vocab_size
-    rl_step(engine, trainer, vocab, seed=10, parity=parity)
+    rl_step(engine, trainer, vocab, seed=10, parity=parity, phases=phases)
     silent = []
-    if not mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()):
-        silent.append("skipped push not detected by the per-tensor hashes")
+    with phases("weight hashes"):
+        if not mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()):
+            silent.append("skipped push not detected by the per-tensor hashes")
     workload, mbt = parity
-    rs = sample_rollouts(engine, workload.requests(vocab, seed=11))
+    with phases("rollouts"):
+        rs = sample_rollouts(engine, workload.requests(vocab, seed=11))
     try:
-        with expecting_mismatch():
+        with expecting_mismatch(), phases("parity (trainer logprobs)"):
             assert_parity(engine, trainer, rs, micro_batch_tokens=mbt)
         silent.append(f"skipped push not detected by the parity of the second rollout ({len(rs)} sequences): the "
                       "stale engine matched the stepped trainer bit for bit")
     except (BitwiseMismatch, AssertionError):
         pass
-    engine.load_weights({k: v.to(_lossy(v.dtype)).to(v.dtype) for k, v in trainer.export_weights().items()})
-    if not mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()):
-        silent.append("a lossy round trip of the weights went unnoticed by the hashes")
+    with phases("weight push"):
+        engine.load_weights({k: v.to(_lossy(v.dtype)).to(v.dtype) for k, v in trainer.export_weights().items()})
+    with phases("weight hashes"):
+        if not mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()):
+            silent.append("a lossy round trip of the weights went unnoticed by the hashes")
     assert not silent, "C9 negative controls did not fire:\n  " + "\n  ".join(silent)

@@ -24,9 +24,13 @@ def _log(name, t0, t1, extra=None):
 @pytest.mark.C0
 def test_c0_timed_alone(pytestconfig):
     time.sleep(0.6)                      # the others are running checks by now
-    with alone(pytestconfig) as device:
+    warm = []
+    def meanwhile():
+        warm.append(time.time()); time.sleep(0.3)
+    with alone(pytestconfig, meanwhile=meanwhile) as device:
         t0 = time.time(); time.sleep(1.0); t1 = time.time()
-    _log("alone", t0, t1, {{"alone": device.alone, "others": device.others, "describe": device.describe()}})
+    _log("alone", t0, t1, {{"alone": device.alone, "others": device.others, "describe": device.describe(),
+                            "meanwhile_t0": warm[0]}})
 
 @pytest.mark.C0
 def test_c0_timed_without_asking():
@@ -62,8 +66,15 @@ def test_no_check_of_another_worker_runs_while_one_holds_the_device(write_suite,
     unasked = logs.pop("unasked")
     assert window["alone"] is True and window["others"] == 2, window
     assert "alone: the run's 2 other worker(s) held between checks" in window["describe"], window
+    assert "of it warming up)" in window["describe"], window
     others = [v for v in logs.values() if v["worker"] != window["worker"]]
     assert others and not [v for v in others if _overlaps(v, window)], (window, others)
+    # the work that needs no quiet device ran with the lock taken: no other worker's check began in it
+    assert not [v for v in others if window["meanwhile_t0"] <= v["t0"] <= window["t1"]], (window, others)
+    # the report's per-worker timeline: every check carries its worker and span, and the time section says it
+    spans = [c for c in doc["checks"] if c.get("worker", "").startswith("gw") and len(c.get("span_s", [])) == 2]
+    assert len(spans) == 42, [c for c in doc["checks"] if c not in spans][:3]
+    assert "- workers (last to end first): gw" in (pt.path / "rep" / "report.md").read_text()
     # the negative control: the same block without asking runs beside other workers' checks
     assert [v for v in logs.values() if v["worker"] != unasked["worker"] and _overlaps(v, unasked)], unasked
 

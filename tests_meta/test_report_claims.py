@@ -68,3 +68,17 @@ def test_time_section_says_what_a_rare_cost_was_about():
     text = "\n".join(time_section(checks))
     assert "- C8 reference gradients: 1 taking 33 s: float32 on cuda:0 (float64 does not fit)" in text, text
     assert "- engine start: 5 taking 5 s\n" in text + "\n" and "engine 0" not in text, text
+
+
+def test_time_section_names_the_worker_that_set_the_wall_time():
+    """Per xdist worker: its checks' seconds, its idle seconds and its last check - the worker that
+    ended last first. Control: one worker (or none recorded) prints no worker line."""
+    from fixtures.plugin.report import time_section
+    checks = [{"nodeid": "t.py::a", "gate": "C9", "duration_s": 80.0, "worker": "gw0", "span_s": [5.0, 85.0]},
+              {"nodeid": "t.py::b", "gate": "C9", "duration_s": 10.0, "worker": "gw0", "span_s": [85.0, 95.0]},
+              {"nodeid": "t.py::c", "gate": "C2", "duration_s": 30.0, "worker": "gw1", "span_s": [0.0, 60.0]}]
+    text = "\n".join(time_section(checks, wall_s=96.0))
+    assert ("- workers (last to end first): gw0 2 checks, 90 s in them, idle 5 s, last ended at 95 s (`b`); "
+            "gw1 1 checks, 30 s in them, idle 30 s, last ended at 60 s (`c`)") in text, text
+    alone = [dict(c, worker="gw0") for c in checks]
+    assert "- workers" not in "\n".join(time_section(alone, wall_s=96.0))
