@@ -182,3 +182,52 @@ def test_workers_see_the_option_and_accept_the_inherited_variable(inner):
     assert seen["env"]["CONFORMANCE_VLLM_PRESPAWN"] == "0"
     assert "--vllm-prespawn=0" in shlex.split(seen["repro"])
     assert "CONFORMANCE_VLLM_PRESPAWN" not in os.environ
+
+
+def test_torch_threads_are_the_cores_shared_among_the_workers(monkeypatch):
+    """--cpu-threads unset: 1 on the CPU lane; on an accelerator lane the usable cores over the
+    xdist workers (16 cores, -n 4: 4 - not torch's 16 in each of 4 workers); set: what was asked
+    (0: torch's default). Control: a lone process on the GPU lane gets every core."""
+    from fixtures.plugin.session import cpu_threads
+
+    class Option:
+        numprocesses = None
+
+    class Config:
+        option = Option()
+        asked = None
+
+        def getoption(self, name):
+            assert name == "--cpu-threads"
+            return self.asked
+    config = Config()
+    monkeypatch.setattr(environment, "usable_cores", lambda: 16)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    assert cpu_threads(config, "cpu") == 1
+    assert cpu_threads(config, "cuda:0") == 4
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
+    config.option.numprocesses = 3                       # the controller of -n 3
+    assert cpu_threads(config, "cuda") == 5
+    config.option.numprocesses = None
+    assert cpu_threads(config, "cuda") == 16             # control: alone, every core
+    config.asked = 2
+    assert cpu_threads(config, "cuda") == 2 and cpu_threads(config, "cpu") == 2
+    config.asked = 0
+    assert cpu_threads(config, "cuda") == 0
+
+
+def test_a_large_cpu_job_borrows_the_cores_the_other_workers_leave(monkeypatch):
+    """C8's float64 reference on the CPU: the cores less one for each other worker, then back."""
+    import torch
+    before = torch.get_num_threads()
+    monkeypatch.setattr(environment, "usable_cores", lambda: 16)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    with environment.borrowed_cpu_threads() as threads:
+        assert threads == 13 and torch.get_num_threads() == 13
+    assert torch.get_num_threads() == before
+    torch.set_num_threads(20)
+    try:
+        with environment.borrowed_cpu_threads() as threads:  # never fewer than the process had
+            assert threads == 20
+    finally:
+        torch.set_num_threads(before)
