@@ -200,7 +200,7 @@ PUSHED = ("warm from before the weight push (the same probes ran on the old weig
           "prefix cache as the push left it)")
 
 
-def test_prefix_cache_hit_after_weight_update_equals_cold(engine_factory, proxy):
+def test_prefix_cache_hit_after_weight_update_equals_cold(engine_factory, proxy, impl):
     """RL re-sends prompts after every weight push: a prompt served before the push must be computed
     from the new weights. On an engine of this check (its weights are put back at the end): the
     probes run cold on the checkpoint's weights, caching their prompts; every tensor moves
@@ -223,7 +223,7 @@ def test_prefix_cache_hit_after_weight_update_equals_cold(engine_factory, proxy)
         _, probes = prefix_probes(proxy.config.vocab_size)
         rid = probes[0].request_id
         old, _ = run_stated(engine, probes, rid, label="old weights")
-        engine.load_weights(moved_weights(original))
+        engine.load_weights(moved_weights(original, device=impl.device()))
         try:
             after, _ = run_stated(engine, probes, rid, label="after the push", state=PUSHED)
             after_traces = dict(engine.last_stats().requests or {})

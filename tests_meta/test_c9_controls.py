@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fixtures.checks.workloads import parity_workload
+from fixtures.core.costs import Phases
 from fixtures.models.proxies import build_proxy
 from tests_c10_delivery import test_c9_rl as C9
 
@@ -44,13 +45,13 @@ def test_the_push_controls_fire_or_say_which_did_not(proxy, planted):
         check = C9.test_skipped_and_lossy_pushes_are_detected
         if planted:
             with pytest.raises(AssertionError) as info:
-                check(pair, proxy, (workload, None))
+                check(pair, proxy, (workload, None), Phases("C9 phases"))
             text = str(info.value)
             assert "skipped push not detected by the per-tensor hashes" in text
             assert "a lossy round trip of the weights went unnoticed by the hashes" in text
             assert "parity of the second rollout" not in text, "the stale engine's parity still fails"
         else:
-            check(pair, proxy, (workload, None))
+            check(pair, proxy, (workload, None), Phases("C9 phases"))
     finally:
         engine.close()
         trainer.close()

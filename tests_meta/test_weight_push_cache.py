@@ -21,6 +21,7 @@ import torch
 from fixtures.checks.weight_push import checkpoint_weights, moved_weights
 from fixtures.checks.workloads import PARITY_CPU, random_ids
 from fixtures.core.comparison import BitwiseMismatch
+from fixtures.core.costs import Phases
 from fixtures.core.contract import EngineSettings, Request, SamplingParams
 from fixtures.faults.catalog import FAULTS
 from fixtures.models.proxies import build_proxy
@@ -68,9 +69,9 @@ def _factory(proxy, fault=None):
 @pytest.mark.parametrize("model", ["qwen3", "nemotron_h"])
 def test_c4_check_reports_cached_tokens_served_from_before_the_push(model, qwen3, tmp_path):
     proxy = qwen3 if model == "qwen3" else build_proxy(model, "tiny", tmp_path, seed=0)
-    c4_check(_factory(proxy), proxy)                         # clean: every run on the new weights agrees
+    c4_check(_factory(proxy), proxy, ReferenceImplementation())                         # clean: every run on the new weights agrees
     with pytest.raises(BitwiseMismatch) as caught:
-        c4_check(_factory(proxy, FAULT), proxy)
+        c4_check(_factory(proxy, FAULT), proxy, ReferenceImplementation())
     text = str(caught.value)
     assert "after the push (16 cached tokens) != cold start on the new weights" in text, text
     assert "16 cached prompt tokens were served from before the weight push" in text, text
@@ -85,7 +86,8 @@ def _c9(proxy, fault=None) -> dict:
     engine = _factory(proxy, fault)()
     trainer = ReferenceImplementation().make_trainer(proxy.path)
     try:
-        c9_check((engine, trainer), proxy, (PARITY_CPU, PARITY_CPU.micro_batch_tokens), metrics.__setitem__)
+        c9_check((engine, trainer), proxy, (PARITY_CPU, PARITY_CPU.micro_batch_tokens), Phases("C9 phases"),
+                 metrics.__setitem__)
     finally:
         engine.close()
         trainer.close()
@@ -118,3 +120,19 @@ def test_vllm_client_reload_resets_the_prefix_cache(mode, tmp_path):
             return
         with pytest.raises(RuntimeError, match="refused to reset its prefix cache"):   # control
             engine.load_weights({"w": torch.ones(3)})
+
+
+def test_moved_weights_move_every_float_tensor_and_leave_the_input_alone():
+    """Every floating tensor moves (an all-zero one too), integers stay, dtypes and devices are
+    kept, the same seed gives the same bits, and the caller's tensors are untouched - a float32
+    tensor included, which `.to(float32)` would hand back uncopied (C4 pushes the originals back)."""
+    import torch
+    weights = {"w": torch.randn(64, 32, dtype=torch.bfloat16), "norm": torch.zeros(7), "f32": torch.randn(9, 3),
+               "ids": torch.arange(4)}
+    kept = {k: v.clone() for k, v in weights.items()}
+    moved = moved_weights(weights)
+    assert all(torch.equal(weights[k], kept[k]) for k in weights), "moved_weights changed its input"
+    assert [k for k in weights if torch.equal(moved[k], weights[k])] == ["ids"]
+    assert all(moved[k].dtype == weights[k].dtype and moved[k].device == weights[k].device for k in weights)
+    again = moved_weights(weights)
+    assert all(torch.equal(moved[k], again[k]) for k in weights)
