@@ -132,15 +132,16 @@ def test_run_to_run(trainer, proxy):
                        what="trainer logprobs", lhs_name="run 1", rhs_name="run 2", layout=layout.value)
 
 
-def test_control_stock_trainer_is_seen(proxy):
+def test_control_stock_trainer_is_seen(proxy, impl):
     """Negative control: a trainer on stock kernels and eager attention must differ between a
     sequence alone and inside a padded batch of 16 (measured: stock CPU fp32 GEMM single-threaded
     rounds rows differently from M = 4 rows up, so 2- and 3-token sequences alone take the other path).
     16, not 8: a padded 8 x 40 batch is 320 GEMM rows, which the planted CPU (its rounding repeats
     every 7 row counts) rounds as it rounds the 40- and 33-token sequences alone - 69 of the 81
     logprobs - and the short ones' 12 were too few to see a one-ULP difference (mistral)."""
-    stock = stock_trainer(proxy.path)
     seqs = random_sequences(proxy.config.vocab_size, (2, 3, 40, 2, 3, 33, 4, 2, 5, 17, 2, 29, 3, 11, 38, 6), seed=8)
-    with must_fire("the stock trainer gave the same bits alone and in a batch of 16",
-                   tried="16 sequences of 2-40 tokens alone vs in a padded batch, stock trainer (eager attention)"):
+    with stock_trainer(proxy.path, impl) as stock, \
+            must_fire("the stock trainer gave the same bits alone and in a batch of 16",
+                      tried=f"16 sequences of 2-40 tokens alone vs in a padded batch, stock trainer (eager attention, "
+                            f"{str(impl.dtype()).replace('torch.', '')} on {impl.device()})"):
         assert_bitwise(stock.logprobs(seqs), _alone(stock, seqs), what="stock trainer logprobs")

@@ -210,10 +210,11 @@ def test_control_planted_ulp_is_named(trainer, proxy):
     assert "1 of" in result.detail and "1 ULP apart" in result.detail, result.detail
 
 
-def test_control_stock_trainer_breaks_parity(engine, proxy, toy_rollouts):
+def test_control_stock_trainer_breaks_parity(engine, proxy, impl, toy_rollouts):
     """Negative control: the same parity check with a trainer on stock kernels and eager
-    attention must report a difference."""
-    stock = stock_trainer(proxy.path)
-    with must_fire("a stock trainer matched the invariant engine bit for bit", catch=(BitwiseMismatch, AssertionError),
-                   tried="the C7 rollouts through a stock trainer (eager attention)"):
+    attention (the implementation's dtype and device) must report a difference."""
+    with stock_trainer(proxy.path, impl) as stock, \
+            must_fire("a stock trainer matched the invariant engine bit for bit", catch=(BitwiseMismatch, AssertionError),
+                      tried=f"the C7 rollouts through a stock trainer (eager attention, "
+                            f"{str(impl.dtype()).replace('torch.', '')} on {impl.device()})"):
         assert_parity(engine, stock, toy_rollouts)
