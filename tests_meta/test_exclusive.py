@@ -71,8 +71,10 @@ def test_no_check_of_another_worker_runs_while_one_holds_the_device(write_suite,
     assert others and not [v for v in others if _overlaps(v, window)], (window, others)
     # the work that needs no quiet device ran with the lock taken: no other worker's check began in it
     assert not [v for v in others if window["meanwhile_t0"] <= v["t0"] <= window["t1"]], (window, others)
-    # the report's per-worker timeline: every check carries its worker and span, and the time section says it
-    spans = [c for c in doc["checks"] if c.get("worker", "").startswith("gw") and len(c.get("span_s", [])) == 2]
+    # the report's per-worker timeline: every check carries its worker, span and its process's CPU seconds,
+    # and the time section says it
+    spans = [c for c in doc["checks"] if c.get("worker", "").startswith("gw") and len(c.get("span_s", [])) == 2
+             and c.get("cpu_s", -1) >= 0]
     assert len(spans) == 42, [c for c in doc["checks"] if c not in spans][:3]
     assert "- workers (last to end first): gw" in (pt.path / "rep" / "report.md").read_text()
     # the negative control: the same block without asking runs beside other workers' checks

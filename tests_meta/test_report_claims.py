@@ -82,3 +82,17 @@ def test_time_section_names_the_worker_that_set_the_wall_time():
             "gw1 1 checks, 30 s in them, idle 30 s, last ended at 60 s (`c`)") in text, text
     alone = [dict(c, worker="gw0") for c in checks]
     assert "- workers" not in "\n".join(time_section(alone, wall_s=96.0))
+
+
+def test_time_section_says_how_much_cpu_a_check_used():
+    """A check's own process's CPU seconds beside its wall: far under it, the check waited; far over
+    it, threads spun in parallel. Summed for the run on the first line. Control: checks without the
+    figure print neither."""
+    from fixtures.plugin.report import time_section
+    checks = [{"nodeid": "a", "gate": "C8", "duration_s": 20.0, "cpu_s": 0.4},
+              {"nodeid": "b", "gate": "C2", "duration_s": 5.0, "cpu_s": 19.6}]
+    text = "\n".join(time_section(checks, wall_s=21.0))
+    assert "worker time 25 s over 2 checks (wall 21 s; the checks' pytest processes used 20 s of CPU)" in text, text
+    assert "| `a` | 20.0 | its process's CPU 0.4 s |" in text and "| `b` | 5.0 | its process's CPU 19.6 s |" in text
+    bare = "\n".join(time_section([{k: v for k, v in c.items() if k != "cpu_s"} for c in checks], wall_s=21.0))
+    assert "CPU" not in bare, bare
