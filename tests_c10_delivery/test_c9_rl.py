@@ -55,10 +55,10 @@ def phases():
 def rl_step(engine, trainer, vocab: int, seed: int, parity, phases, record=None, label="", rollouts=None):
     """Rollout (or the given `rollouts`), parity with the trainer, one optimizer step per micro-batch."""
     workload, mbt = parity
-    if rollouts is None:
-        with phases("rollouts"):
-            rollouts = sample_rollouts(engine, workload.requests(vocab, seed=seed))
     rs = rollouts
+    if rs is None:
+        with phases("rollouts"):
+            rs = sample_rollouts(engine, workload.requests(vocab, seed=seed))
     with phases("parity (trainer logprobs)"):
         metrics = assert_parity(engine, trainer, rs, record=record, label=label, micro_batch_tokens=mbt)
     rewards = torch.tensor([reward(r.token_ids) for r in rs], dtype=torch.float64)
