@@ -58,3 +58,14 @@ def test_a_trainer_that_loads_other_weights_is_caught(checkpoints):
     assert proc.returncode == 1, out[-3000:]
     assert "the trainer did not load the checkpoint" in out, out[-3000:]
     assert "1 failed, 1 passed" in proc.stdout, proc.stdout[-2000:]    # it still loads and runs: only C1's check sees it
+
+
+def test_weight_bytes_are_the_safetensors_files(tmp_path):
+    """What a GPU trainer makes room for (a multiple of it): the model directory's safetensors
+    bytes, config.json and other files not counted; a directory without weights has none."""
+    from fixtures.models.checkpoint import weight_bytes
+    proxy = build_proxy("qwen3", "tiny", tmp_path / "p", seed=0)
+    files = list(Path(proxy.path).glob("*.safetensors"))
+    assert files and weight_bytes(proxy.path) == sum(f.stat().st_size for f in files)
+    (tmp_path / "empty").mkdir()
+    assert weight_bytes(tmp_path / "empty") == 0
