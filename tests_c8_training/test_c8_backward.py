@@ -11,7 +11,12 @@ The bound and its constant are documented in fixtures.checks.grad_checks: |g - g
 u = 2^-24, n the reduction length of the backward computation, S the elementwise magnitude.
 Everything runs under the implementation's kernel mode (HasKernelMode: `impl.kernel_mode()`;
 where it has none, fixtures.checks.grad_checks.default_kernel_mode, the reference batch-invariant
-mode): forward and backward on its kernels.
+mode): forward and backward on its kernels. The per-op cases judge the implementation's kernel
+mode and are n/a without one (they would judge the suite's reference mode, not the stack). A
+trainer that runs the engine's kernels under no kernel mode (RunsEngineKernels) has its own
+backward: the reference backwards it declares (DeclaresBackwards) are judged op by op against the
+suite's float64 definitions (fixtures.checks.declared_backwards), each with a planted wrong
+reference that must be caught.
 """
 from __future__ import annotations
 
@@ -19,10 +24,13 @@ import pytest
 import torch
 from hypothesis import example, given, note, settings
 
+from fixtures.checks import declared_backwards as DB
 from fixtures.checks import grad_checks as G
+from fixtures.checks.declared_ops import DECLARED_OPS, PLANTED_REFERENCES
 from fixtures.checks.workloads import random_sequences
 from fixtures.checks.grad_checks import GradShape
-from fixtures.core.contract import HasKernelMode, LogprobsWithGrad, RunsEngineKernels
+from fixtures.core.contract import DeclaresBackwards, HasKernelMode, LogprobsWithGrad, RunsEngineKernels
+from fixtures.core.outcomes import not_applicable
 
 pytestmark = pytest.mark.C8
 
@@ -57,9 +65,27 @@ def trainer_mode(impl, trainer, kernel_mode):
     H200: vLLM's custom ops under the reference mode fail with a pybind cast error), so its own
     backward is what is judged."""
     import contextlib
-    if isinstance(trainer, RunsEngineKernels) and not isinstance(impl, HasKernelMode):
-        return contextlib.nullcontext
-    return kernel_mode
+    return contextlib.nullcontext if _outside_any_kernel_mode(impl, trainer) else kernel_mode
+
+
+def _outside_any_kernel_mode(impl, trainer) -> bool:
+    """The trainer runs the engine's kernels and the implementation has no kernel mode: its backward
+    is its own (DeclaresBackwards says what it is), not a kernel mode's."""
+    return isinstance(trainer, RunsEngineKernels) and not isinstance(impl, HasKernelMode)
+
+
+@pytest.fixture(scope="session")
+def per_op_kernel_mode(impl):
+    """The implementation's kernel mode, whose backward kernels the per-op cases judge; n/a where
+    it has none (as C2 is where it provides no kernels): they would judge the suite's reference
+    mode - its calibration, which the CPU lane checks - not the stack under test. Model-independent
+    on purpose: the cases run once per run, not once per model."""
+    if not isinstance(impl, HasKernelMode):
+        not_applicable("the implementation has no kernel mode: these cases judge a kernel mode's backward kernels, and "
+                       "would judge the suite's reference mode, not this stack (the trainer's own backward: the "
+                       "model-level checks; the references it declares: test_declared_backward_within_bound)",
+                       capability=HasKernelMode)
+    return impl.kernel_mode
 
 
 @pytest.fixture(scope="session")
@@ -159,17 +185,17 @@ def _bound_examples(case_id: str, kernel_mode, record_metric) -> None:
 
 
 @pytest.mark.parametrize("case_id", CHEAP_CASES)
-def test_grad_within_bound(case_id, kernel_mode, record_metric):
-    _bound_examples(case_id, kernel_mode, record_metric)
+def test_grad_within_bound(case_id, per_op_kernel_mode, record_metric):
+    _bound_examples(case_id, per_op_kernel_mode, record_metric)
 
 
 @pytest.mark.parametrize("case_id", EXPENSIVE_CASES)
-def test_grad_within_bound_expensive(case_id, kernel_mode, record_metric):
-    _bound_examples(case_id, kernel_mode, record_metric)
+def test_grad_within_bound_expensive(case_id, per_op_kernel_mode, record_metric):
+    _bound_examples(case_id, per_op_kernel_mode, record_metric)
 
 
 @pytest.mark.parametrize("planted", sorted(G.PLANTED_BACKWARDS))
-def test_planted_backward_exceeds_bound(planted, kernel_mode, record_metric):
+def test_planted_backward_exceeds_bound(planted, per_op_kernel_mode, record_metric):
     """Negative control: the check must report each planted wrong backward, at every drawn shape.
 
     A planted rounding fault shows in each output element only with some probability: one element
@@ -185,7 +211,7 @@ def test_planted_backward_exceeds_bound(planted, kernel_mode, record_metric):
     @example(shape=PINNED[0])
     @example(shape=PINNED[1])
     def run(shape):
-        rep = G.check_planted(p, shape, kernel_mode=kernel_mode)
+        rep = G.check_planted(p, shape, kernel_mode=per_op_kernel_mode)
         least["ratio"] = min(least["ratio"], rep.max_ratio)
         assert not rep.ok, (
             f"planted wrong backward {p.name} ({p.doc}) stayed within the C8 bound at {shape} "
@@ -193,6 +219,73 @@ def test_planted_backward_exceeds_bound(planted, kernel_mode, record_metric):
 
     run()
     record_metric(f"C8 planted {planted} min ratio", least["ratio"])
+
+
+# ---------------------------------------------------------------------------------------------
+# per op, the reference backwards a trainer without a kernel mode declares (DeclaresBackwards)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def declared_backwards(trainer) -> dict:
+    """{op: function} from the trainer's backward_references(); n/a where it declares none."""
+    if not isinstance(trainer, DeclaresBackwards):
+        not_applicable("the trainer declares no reference backwards (its backward is a kernel mode's, judged by "
+                       "the per-op cases)", capability=DeclaresBackwards)
+    return dict(trainer.backward_references())
+
+
+def _declared(declared_backwards: dict, op: str):
+    if op not in declared_backwards:
+        not_applicable(f"the trainer declares no reference backward for {op} (it declares: "
+                       f"{', '.join(sorted(declared_backwards)) or 'none'})")
+    return declared_backwards[op]
+
+
+def test_declared_backwards_are_known_ops(declared_backwards):
+    """Every op the trainer declares is one C8 has a definition of: an unknown name would go unjudged."""
+    unknown = DB.unknown_ops(declared_backwards)
+    assert not unknown, (f"the trainer declares reference backwards for {unknown}, which C8 has no definition of "
+                         f"(known: {', '.join(sorted(DECLARED_OPS))}; fixtures.checks.declared_ops)")
+
+
+@pytest.mark.parametrize("op", sorted(DECLARED_OPS))
+def test_declared_backward_within_bound(op, declared_backwards, record_metric):
+    """The trainer's declared reference of `op`, float32 on the CPU at >= 16 tokens and >= 16 wide,
+    against the suite's float64 definition within the calibrated bound
+    (fixtures.checks.declared_backwards), bitwise run to run."""
+    fn = _declared(declared_backwards, op)
+    worst = {"ratio": 0.0}
+
+    @settings(max_examples=_examples(False))
+    @given(shape=DB.declared_shapes())
+    @example(shape=DB.PINNED_SHAPES[0])
+    @example(shape=DB.PINNED_SHAPES[1])
+    def run(shape):
+        note(f"declared {op}: {DECLARED_OPS[op].signature}")
+        worst["ratio"] = max(worst["ratio"], DB.assert_declared_within_bound(op, fn, shape).max_ratio)
+
+    run()
+    record_metric(f"C8 declared {op} max ratio", worst["ratio"])
+
+
+@pytest.mark.parametrize("op", sorted(DECLARED_OPS))
+def test_planted_declared_backward_exceeds_bound(op, declared_backwards, record_metric):
+    """Negative control: the planted wrong reference of `op` (fixtures.checks.declared_ops.
+    PLANTED_REFERENCES) must exceed the bound at every drawn shape."""
+    _declared(declared_backwards, op)
+    p, least = PLANTED_REFERENCES[op], {"ratio": float("inf")}
+
+    @settings(max_examples=_examples(False))
+    @given(shape=DB.declared_shapes())
+    @example(shape=DB.PINNED_SHAPES[0])
+    @example(shape=DB.PINNED_SHAPES[1])
+    def run(shape):
+        rep = DB.check_planted_reference(op, shape)
+        least["ratio"] = min(least["ratio"], rep.max_ratio)
+        assert not rep.ok, (f"planted wrong reference {p.name} ({p.doc}) stayed within the C8 bound at {shape}: "
+                            f"the declared-backward check cannot see it\n{rep.message()}")
+
+    run()
+    record_metric(f"C8 planted {p.name} min ratio", least["ratio"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ GATE_MAY_IMPORT = {"core", "checks", "diagnose", "models", "plugin"}
 MAX_LINES = 600
 ONE_IDEA = {   # longer modules, each one idea that would only be scattered by a split
     "fixtures/reference/kernels.py": "the batch-invariant kernel library: one kernel family per section",
+    "fixtures/core/contract.py": "the whole contract a third party implements, read in one place (its docstrings are it)",
 }
 
 

@@ -155,7 +155,7 @@ def test_engine_kernel_trainer_capabilities(qwen3_dir):
     trainer = VT.EngineKernelTrainer(qwen3_dir, VO.ReferenceOps, dtype=torch.float32, device="cpu")
     have = C.capabilities_of(trainer, C.TRAINER_CAPABILITIES)
     assert have == ["TrainsRL", "LogprobsWithGrad", "RecordsModuleOutputs", "RecordsModuleOutputsInBatch",
-                    "RunsEngineKernels", "HasTensorParallel", "ComputesAtTensorParallel", "RunsUnderKernelMode",
+                    "RunsEngineKernels", "DeclaresBackwards", "HasTensorParallel", "ComputesAtTensorParallel", "RunsUnderKernelMode",
                     "PlantsULP"], have                   # ReferenceOps names no sampler
     trainer.ops = types.SimpleNamespace(sampler="v2", name="x")
     assert isinstance(trainer, C.NamesSampler) and trainer.sampler == "v2"
