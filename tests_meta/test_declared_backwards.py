@@ -50,6 +50,7 @@ def test_planted_reference_is_caught_and_named(op):
             DB.assert_declared_within_bound(op, p.fn, shape)
         msg = str(info.value)
         assert f"C8 declared backward: {op}" in msg and "VIOLATED" in msg and "ULP" in msg and "repro:" in msg, msg
+        assert "elements over the bound" in msg and sum(r.count_over for r in rep.inputs) > 0, msg
 
 
 def test_a_missing_gradient_counts_as_zero():
