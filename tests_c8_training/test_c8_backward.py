@@ -230,7 +230,7 @@ def declared_backwards(trainer) -> dict:
     if not isinstance(trainer, DeclaresBackwards):
         not_applicable("the trainer declares no reference backwards (its backward is a kernel mode's, judged by "
                        "the per-op cases)", capability=DeclaresBackwards)
-    return dict(trainer.backward_references())
+    return DB.declared_references(trainer)
 
 
 def _declared(declared_backwards: dict, op: str):

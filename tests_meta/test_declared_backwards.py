@@ -53,6 +53,14 @@ def test_planted_reference_is_caught_and_named(op):
         assert "elements over the bound" in msg and sum(r.count_over for r in rep.inputs) > 0, msg
 
 
+@pytest.mark.parametrize("returned", [None, ["linear"], {"linear": 3}, {1: VO.ref_linear}])
+def test_a_malformed_declaration_is_a_contract_error(returned):
+    from types import SimpleNamespace
+    from fixtures.core.contract import ContractError
+    with pytest.raises(ContractError, match=r"backward_references\(\) returned .*expected a mapping"):
+        DB.declared_references(SimpleNamespace(backward_references=lambda: returned))
+
+
 def test_a_missing_gradient_counts_as_zero():
     """A declared function that cuts an input out of the graph (no gradient at all) is a violation
     at that input, reported as such."""
