@@ -65,13 +65,9 @@ def trainer_mode(impl, trainer, kernel_mode):
     H200: vLLM's custom ops under the reference mode fail with a pybind cast error), so its own
     backward is what is judged."""
     import contextlib
-    return contextlib.nullcontext if _outside_any_kernel_mode(impl, trainer) else kernel_mode
-
-
-def _outside_any_kernel_mode(impl, trainer) -> bool:
-    """The trainer runs the engine's kernels and the implementation has no kernel mode: its backward
-    is its own (DeclaresBackwards says what it is), not a kernel mode's."""
-    return isinstance(trainer, RunsEngineKernels) and not isinstance(impl, HasKernelMode)
+    if isinstance(trainer, RunsEngineKernels) and not isinstance(impl, HasKernelMode):
+        return contextlib.nullcontext
+    return kernel_mode
 
 
 @pytest.fixture(scope="session")
