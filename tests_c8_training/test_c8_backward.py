@@ -29,6 +29,7 @@ from fixtures.checks import grad_checks as G
 from fixtures.checks.declared_ops import DECLARED_OPS, PLANTED_REFERENCES
 from fixtures.checks.workloads import random_sequences
 from fixtures.checks.grad_checks import GradShape
+from fixtures.core import gpu_memory
 from fixtures.core.contract import DeclaresBackwards, HasKernelMode, LogprobsWithGrad, RunsEngineKernels
 from fixtures.core.outcomes import not_applicable
 
@@ -294,8 +295,9 @@ def reference_grads(trainer, proxy, trainer_loss, trainer_mode):
     a stock run in the trainer's dtype lands from them (the calibration of the model-level bound).
     A mixture of experts: both runs take the trainer's own expert choices (fixtures.checks.grad_routing)."""
     module, batches = trainer.module(), G.seeded_batches(proxy.config.vocab_size)
-    return G.reference_grads(module, batches, routing_of=lambda stock: G.trainer_routing(
-        trainer, module, stock, batches, loss_fn=trainer_loss, trainer_mode=trainer_mode, stock_loss=G.alone_loss))
+    return gpu_memory.once_more_after_oom(lambda: G.reference_grads(module, batches, routing_of=lambda stock: (
+        G.trainer_routing(trainer, module, stock, batches, loss_fn=trainer_loss, trainer_mode=trainer_mode,
+                          stock_loss=G.alone_loss))), "C8's reference gradients")
 
 
 @pytest.fixture(scope="session")

@@ -93,10 +93,38 @@ def test_without_a_hold_the_rerun_goes_ahead_after_the_wait(broker, case):
 
 
 def test_the_costs_line_says_what_was_needed_and_held():
-    from fixtures.plugin.results import _room_text
-    text = _room_text({"need": 3 * GIB, "freed": GIB, "waited_s": 30.0, "free": 4 * GIB, "held_s": 12.5,
+    text = gpu_memory.room_text({"need": 3 * GIB, "freed": GIB, "waited_s": 30.0, "free": 4 * GIB, "held_s": 12.5,
                        "pending": []})
     assert text == ("freed 1.00 GiB idle, needed 3.00 GiB free, waited 30.0 s, then held the device 12.5 s for "
                     "the other workers' memory; 4.00 GiB free at the rerun")
-    assert "(gw1 never gave theirs up)" in _room_text({"need": 3 * GIB, "freed": 0, "waited_s": 30.0,
+    assert "(gw1 never gave theirs up)" in gpu_memory.room_text({"need": 3 * GIB, "freed": 0, "waited_s": 30.0,
                                                       "free": GIB, "held_s": 240.0, "pending": ["gw1"]})
+
+
+def test_a_set_up_out_of_memory_runs_once_more(broker, monkeypatch):
+    """once_more_after_oom (a session fixture's large allocation): a CUDA out-of-memory runs it once
+    more after room was made; a second one, and a host MemoryError, are raised as they are."""
+    import torch
+    broker(None)
+    monkeypatch.setenv(gpu_memory.OOM_WAIT_ENV, "0")
+    calls = []
+
+    def once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 594.00 MiB.")
+        return "gradients"
+    assert gpu_memory.once_more_after_oom(once, "C8's reference gradients") == "gradients" and len(calls) == 2
+
+    def always():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+    with pytest.raises(torch.OutOfMemoryError):
+        gpu_memory.once_more_after_oom(always, "x")
+
+    def host():
+        calls.append(1)
+        raise MemoryError("host")
+    calls.clear()
+    with pytest.raises(MemoryError):
+        gpu_memory.once_more_after_oom(host, "x")
+    assert len(calls) == 1
