@@ -111,7 +111,8 @@ def train_calls(trainer, train_sequences, trainer_loss, kernel_mode):
 
 @pytest.fixture(scope="session")
 def trainer_grads(trainer, train_sequences, trainer_loss, trainer_mode):
-    return G.model_grads(trainer.module(), train_sequences, loss_fn=trainer_loss, kernel_mode=trainer_mode)
+    return gpu_memory.once_more_after_oom(lambda: G.model_grads(
+        trainer.module(), train_sequences, loss_fn=trainer_loss, kernel_mode=trainer_mode), "C8's trainer gradients")
 
 
 # ---------------------------------------------------------------------------------------------
