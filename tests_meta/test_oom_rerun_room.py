@@ -128,3 +128,61 @@ def test_a_set_up_out_of_memory_runs_once_more(broker, monkeypatch):
     with pytest.raises(MemoryError):
         gpu_memory.once_more_after_oom(host, "x")
     assert len(calls) == 1
+
+
+class FakeCuda:
+    """torch.cuda as gpu_memory reads it: allocated bytes, their peak since the last reset, and the
+    device's free and total memory (reserved = allocated here)."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+        self.total = 140 * GIB
+
+    def take(self, gib: float):
+        self.allocated += int(gib * GIB)
+        self.peak = max(self.peak, self.allocated)
+
+    def is_initialized(self):
+        return True
+
+    def reset_peak_memory_stats(self, *a):
+        self.peak = self.allocated
+
+    def max_memory_reserved(self, *a):
+        return self.peak
+
+    max_memory_allocated = max_memory_reserved
+
+    def memory_allocated(self, *a):
+        return self.allocated
+
+    memory_reserved = memory_allocated
+
+    def current_device(self):
+        return 0
+
+    def mem_get_info(self, *a):
+        return self.total - self.allocated, self.total
+
+    def empty_cache(self):
+        pass
+
+
+def test_the_growth_is_the_calls_own_and_the_checks_peak_keeps_its_set_up(monkeypatch):
+    """C8's shape on the H200: the set-up's reference gradients peak at 27 GiB and keep 10; the
+    call takes 2 GiB more and runs out asking 1.16 GiB. The rerun needs 2 + 1.16 GiB, not the
+    set-up's 17 GiB again; the check's recorded peak is still the set-up's 27 GiB."""
+    import sys
+    import types
+    cuda = FakeCuda()
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    gpu_memory.start_peak()
+    cuda.take(27)
+    cuda.take(-17)
+    gpu_memory.start_peak("call")
+    cuda.take(2)
+    cuda.take(-2)                   # the failed attempt's tensors are gone when the room is made
+    assert gpu_memory._attempt_growth() == 2 * GIB
+    assert gpu_memory.check_peak()["own_peak_bytes"] == 27 * GIB
+    gpu_memory.start_peak()        # the next check starts from its own
+    assert gpu_memory.check_peak()["own_peak_bytes"] == 10 * GIB
