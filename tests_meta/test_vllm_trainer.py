@@ -425,3 +425,27 @@ def test_c8_reads_the_same_expert_choices_from_router_logits_as_from_the_forward
     assert "forward's top-k" in forward.source and "router logits" in logits.source, (forward, logits)
     pairs = [(a, b) for fs, ls in zip(forward.batches[0], logits.batches[0]) for a, b in zip(fs, ls)]
     assert pairs and all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in pairs)
+
+
+def test_a_deep_copy_of_the_trainer_shares_the_vllm_ops_and_copies_the_weights(proxy_dir):
+    """C8's two-replica train step deep-copies the trainer. vLLM's ops provider holds vLLM's config
+    context (a generator: on the H200 the copy raised "cannot pickle 'generator' object" and the
+    check read n/a for the engine-kernel trainer); a copy shares the provider - kernels and a
+    constant rotary table, no trainer state - and copies the weights and optimizer."""
+    import contextlib
+    import copy
+
+    @contextlib.contextmanager
+    def config_context():
+        yield
+    trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=torch.float32, device="cpu")
+    ops = object.__new__(VO.VLLMOps)
+    ops._config = config_context()
+    with pytest.raises(TypeError, match="generator"):    # what a plain deep copy of the provider met
+        copy.deepcopy(ops.__dict__)
+    trainer.ops = ops
+    replica = copy.deepcopy(trainer)
+    assert replica.ops is ops
+    mine, theirs = dict(trainer.model.named_parameters()), dict(replica.model.named_parameters())
+    assert mine.keys() == theirs.keys()
+    assert all(mine[n] is not theirs[n] and torch.equal(mine[n], theirs[n]) for n in mine)
