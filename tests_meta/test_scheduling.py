@@ -197,3 +197,55 @@ def test_the_engine_kernel_inventory_and_its_c2_checks_share_one_worker():
         return [m.args[0] for m in marks if m.name == S.SETUP_MARK]
     assert shared(c0) == shared(c2) == [S.ENGINE_KERNEL_SETUP]
     assert shared(c2_own) == []
+
+
+def _timed_run(durations: dict[str, float], slow: set[str], alone: set[str], workers: int, old_rule: bool = False):
+    """Drive the scheduler in simulated time: the worker whose running check ends first finishes it.
+    Returns (makespan, [(check, worker, what that worker was running then)] for every check sent).
+    old_rule: the window's deferral alone (before the next-slot rule), the control."""
+    names = list(durations)
+    config = types.SimpleNamespace(getoption=lambda name: 1 if name == "maxschedchunk" else None,
+                                   getvalue=lambda name: [f"{workers}*popen"] if name == "tx" else None)
+    sched = S.engine_affinity_scheduler(config, None, lambda: {}, lambda: {"slow": slow, "alone": alone})
+    if old_rule:
+        sched._deferred = lambda node: ((lambda i: names[i] in slow and names[i] not in alone)
+                                        if sched.window_open() else None)
+    nodes = [_Node(f"gw{i}") for i in range(workers)]
+    sent: list = []
+    for n in nodes:
+        def send(indices, n=n):
+            queued = [names[i] for i in sched.node2pending[n] if i not in indices]
+            sent.extend((names[i], n.gateway.id, queued[:1]) for i in indices)
+        n.send_runtest_some = send
+        sched.add_node(n)
+        sched.add_node_collection(n, names)
+    sched.schedule()
+    now, ends = 0.0, {}
+    while True:
+        for n in nodes:      # a worker starts the first of its pending checks once it has the next
+            if sched.node2pending[n] and n not in ends:
+                ends[n] = now + durations[names[sched.node2pending[n][0]]]
+        if not ends:
+            return now, sent
+        n = min(ends, key=ends.get)
+        now = ends.pop(n)
+        sched.mark_test_complete(n, sched.node2pending[n][0], duration=1.0)
+
+
+@pytest.mark.parametrize("old_rule", [False, True], ids=["next-slot-rule", "control-window-only"])
+def test_a_slow_check_is_not_queued_behind_a_slow_one(old_rule):
+    """The H200's shape (qwen3 `-n 4`, 2026-12-05): C10 times alone first, the slow checks wait for
+    its window, then start together as it closes. A slow check is never committed as the next of a
+    worker running a slow one while a short check could go there instead, and the run ends sooner.
+    Control: with the window's deferral alone, C7 queued behind C9 (the measured 248 s start)."""
+    durations = {"c10": 120.0, "c9a": 75.0, "c9b": 65.0, "c8": 50.0, "c7a": 35.0, "c7b": 30.0, "c5": 25.0}
+    slow = set(durations)
+    durations.update({f"q{i}": 1.0 for i in range(400)})
+    makespan, sent = _timed_run(durations, slow, {"c10"}, workers=4, old_rule=old_rule)
+    behind = [(name, w, q) for name, w, q in sent if name in slow and q and q[0] in slow]
+    if old_rule:
+        assert behind, "control: the window alone queues a slow check behind a slow one"
+        return
+    assert not behind, f"slow checks queued behind slow ones: {behind}"
+    old, _ = _timed_run(durations, slow, {"c10"}, workers=4, old_rule=True)
+    assert makespan < old, f"the run took {makespan:.0f} s, {old:.0f} s without the next-slot rule"
