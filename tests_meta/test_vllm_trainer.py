@@ -449,3 +449,18 @@ def test_a_deep_copy_of_the_trainer_shares_the_vllm_ops_and_copies_the_weights(p
     mine, theirs = dict(trainer.model.named_parameters()), dict(replica.model.named_parameters())
     assert mine.keys() == theirs.keys()
     assert all(mine[n] is not theirs[n] and torch.equal(mine[n], theirs[n]) for n in mine)
+
+
+def test_c8_train_step_twice_runs_on_this_trainer_and_its_control_fires(proxy_dir):
+    """C8's two-replica train step (tests_c8_training: test_train_step_twice_same_weights) on the
+    engine-kernel trainer: two deep copies step to the same weight bits, and the planted unordered
+    scatter-add in the embedding's backward - reached through this trainer's F.embedding of the
+    parameter - makes them differ."""
+    from fixtures.checks import grad_checks as G
+    trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=torch.bfloat16, device="cpu")
+    batch = G.repeated_ids_batch(trainer.model.config.vocab_size, tokens=256, distinct=8)
+    kw = dict(prompt_lens=[4] * len(batch), advantages=[(-1.0) ** i * (1 + i) / len(batch) for i in range(len(batch))])
+    assert G.train_steps_identical(trainer, batch, **kw) > 0
+    with pytest.raises(AssertionError, match="after one train_step"):
+        G.train_steps_identical(trainer, batch, **kw,
+                                around=lambda r: G.planted_in_trainer("embedding_backward_unordered", r.module()))
