@@ -464,3 +464,43 @@ def test_c8_train_step_twice_runs_on_this_trainer_and_its_control_fires(proxy_di
     with pytest.raises(AssertionError, match="after one train_step"):
         G.train_steps_identical(trainer, batch, **kw,
                                 around=lambda r: G.planted_in_trainer("embedding_backward_unordered", r.module()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,cols,out", [(1, 16, 8), (17, 64, 300), (257, 96, 1000)])
+def test_linear_backward_without_its_forward_is_autograds(dtype, rows, cols, out):
+    """kernel_op differentiates the linear reference in closed form (ref_linear.closed_grads: the
+    LM head's backward no longer rebuilds its float32 logits): bitwise the gradients autograd takes
+    of ref_linear, for x and w. Control at the largest shape: the same products accumulated in
+    float64 and cast are seen to differ from them, so equal bits are not a property of any
+    formula."""
+    g = torch.Generator().manual_seed(rows * 7 + cols)
+    x = torch.randn(rows, cols, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(out, cols, generator=g) / cols ** 0.5).to(dtype).requires_grad_()
+    up = torch.randn(rows, out, generator=g).to(dtype)
+    ref = VO.ref_linear(x, w)
+    want = torch.autograd.grad(ref, (x, w), up)
+    got = VO.ref_linear.closed_grads(x.detach(), w.detach(), grads=(up,), needs=[True, True])
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    if rows == 257:
+        in64 = ((up.double() @ w.double()).to(dtype), (up.double().t() @ x.double()).to(dtype))
+        assert not all(torch.equal(a, b) for a, b in zip(in64, want)), "control: float64 accumulation is not seen"
+    xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
+    assert all(torch.equal(a, b) for a, b in zip(
+        torch.autograd.grad(VO.kernel_op(VO.ref_linear, VO.ref_linear, xs, ws), (xs, ws), up), want))
+
+
+def test_trainer_backward_is_the_same_with_and_without_the_closed_form(proxy_dir, monkeypatch):
+    """The engine-kernel trainer's parameter gradients (bf16, the packed forward) are the same bits
+    whether the linear reference is differentiated in closed form or by rebuilding its forward."""
+    def grads():
+        trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=torch.bfloat16, device="cpu")
+        lps = trainer.logprobs_with_grad(SEQS, layout=Layout.PACKED)
+        torch.stack([lp.sum() for lp in lps]).sum().backward()
+        return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    closed = grads()
+    monkeypatch.delattr(VO.ref_linear, "closed_grads")
+    rebuilt = grads()
+    assert closed.keys() == rebuilt.keys() and len(closed) > 5
+    assert [n for n in closed if not torch.equal(closed[n], rebuilt[n])] == []
