@@ -374,3 +374,21 @@ def test_relative_errors_are_the_float64_formula_piece_by_piece(monkeypatch, pie
     bumped = ref64.clone()
     bumped[17] += 1e-9
     assert GM._relative_errors({"b": bumped}, {"b": ref64})["b"] > 0, "control: one element changed is seen"
+
+
+@pytest.mark.parametrize("error", [TypeError("cannot pickle 'generator' object"),
+                                   torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.16 GiB")],
+                         ids=["not-copyable", "out-of-memory"])
+def test_train_steps_identical_tells_an_uncopyable_trainer_from_no_room(error):
+    """A trainer whose deep copy fails is NotCopyable (C8 reads n/a, with the reason); a CUDA
+    out-of-memory while copying stays an out-of-memory (the plugin's rerun and report), which on the
+    H200 had been read as "cannot be deep-copied"."""
+    class Trainer:
+        def export_weights(self):
+            return {"w": torch.zeros(2)}
+
+        def __deepcopy__(self, memo):
+            raise error
+    expected = G.NotCopyable if isinstance(error, TypeError) else torch.OutOfMemoryError
+    with pytest.raises(expected, match="generator" if expected is G.NotCopyable else "out of memory"):
+        G.train_steps_identical(Trainer(), [[1, 2, 3]], prompt_lens=[1], advantages=[1.0])
