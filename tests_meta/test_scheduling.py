@@ -199,17 +199,20 @@ def test_the_engine_kernel_inventory_and_its_c2_checks_share_one_worker():
     assert shared(c2_own) == []
 
 
-def _timed_run(durations: dict[str, float], slow: set[str], alone: set[str], workers: int, old_rule: bool = False):
+def _timed_run(durations: dict[str, float], slow: set[str], alone: set[str], workers: int, old_rule: bool = False,
+               keys: dict[str, str] | None = None, key_start: float = 0.0):
     """Drive the scheduler in simulated time: the worker whose running check ends first finishes it.
-    Returns (makespan, [(check, worker, what that worker was running then)] for every check sent).
+    Returns (makespan, [(check, worker, what that worker was running then)] for every check sent,
+    {worker: end}). A worker's first check of a key costs `key_start` more (its engine's start).
     old_rule: the window's deferral alone (before the next-slot rule), the control."""
-    names = list(durations)
+    names, keys = list(durations), keys or {}
     config = types.SimpleNamespace(getoption=lambda name: 1 if name == "maxschedchunk" else None,
                                    getvalue=lambda name: [f"{workers}*popen"] if name == "tx" else None)
-    sched = S.engine_affinity_scheduler(config, None, lambda: {}, lambda: {"slow": slow, "alone": alone})
+    sched = S.engine_affinity_scheduler(config, None, lambda: keys, lambda: {"slow": slow, "alone": alone})
     if old_rule:
         sched._deferred = lambda node: ((lambda i: names[i] in slow and names[i] not in alone)
                                         if sched.window_open() else None)
+        sched._left_to_its_owner = lambda node, i: False
     nodes = [_Node(f"gw{i}") for i in range(workers)]
     sent: list = []
     for n in nodes:
@@ -220,15 +223,18 @@ def _timed_run(durations: dict[str, float], slow: set[str], alone: set[str], wor
         sched.add_node(n)
         sched.add_node_collection(n, names)
     sched.schedule()
-    now, ends = 0.0, {}
+    now, ends, started, last = 0.0, {}, {n: set() for n in nodes}, {}
     while True:
-        for n in nodes:      # a worker starts the first of its pending checks once it has the next
+        for n in nodes:      # a worker starts the first of its pending checks
             if sched.node2pending[n] and n not in ends:
-                ends[n] = now + durations[names[sched.node2pending[n][0]]]
+                name = names[sched.node2pending[n][0]]
+                key = keys.get(name)
+                ends[n] = now + durations[name] + (key_start if key and key not in started[n] else 0.0)
+                started[n].add(key)
         if not ends:
-            return now, sent
+            return now, sent, last
         n = min(ends, key=ends.get)
-        now = ends.pop(n)
+        now = last[n.gateway.id] = ends.pop(n)
         sched.mark_test_complete(n, sched.node2pending[n][0], duration=1.0)
 
 
@@ -241,11 +247,75 @@ def test_a_slow_check_is_not_queued_behind_a_slow_one(old_rule):
     durations = {"c10": 120.0, "c9a": 75.0, "c9b": 65.0, "c8": 50.0, "c7a": 35.0, "c7b": 30.0, "c5": 25.0}
     slow = set(durations)
     durations.update({f"q{i}": 1.0 for i in range(400)})
-    makespan, sent = _timed_run(durations, slow, {"c10"}, workers=4, old_rule=old_rule)
+    makespan, sent, _ = _timed_run(durations, slow, {"c10"}, workers=4, old_rule=old_rule)
     behind = [(name, w, q) for name, w, q in sent if name in slow and q and q[0] in slow]
     if old_rule:
         assert behind, "control: the window alone queues a slow check behind a slow one"
         return
     assert not behind, f"slow checks queued behind slow ones: {behind}"
-    old, _ = _timed_run(durations, slow, {"c10"}, workers=4, old_rule=True)
+    old, _, _ = _timed_run(durations, slow, {"c10"}, workers=4, old_rule=True)
     assert makespan < old, f"the run took {makespan:.0f} s, {old:.0f} s without the next-slot rule"
+
+
+@pytest.mark.parametrize("old_rule", [False, True], ids=["left-to-its-owner", "control-stolen"])
+def test_a_worker_starting_a_slow_check_leaves_another_workers_key_to_it(old_rule):
+    """The qwen3_moe shape on the H200 (2026-12-05): one worker owns C2's key with a backlog of its
+    checks; another starts C9 when only those are left. It is shut down after C9 rather than queue
+    one of them behind it (and start its own kernel workers for it, `key_start`). Control: stolen,
+    the check waits the whole slow check and the run ends later."""
+    durations = {"q0": 1.0, "s1": 60.0, **{f"k{i}": 3.0 for i in range(10)}}
+    keys = {f"k{i}": "m:c2" for i in range(10)}
+    makespan, sent, ends = _timed_run(durations, {"s1"}, set(), workers=2, old_rule=old_rule, keys=keys,
+                                      key_start=20.0)
+    ran = {name: w for name, w, _ in sent}
+    assert sorted(ran) == sorted(durations), "every check ran exactly once"
+    stolen = sorted(n for n in keys if ran[n] != ran["k0"])
+    if old_rule:
+        assert stolen, "control: without the rule a key check is stolen behind the slow one"
+        return
+    assert not stolen and ran["s1"] != ran["k0"], (ran, ends)
+    old, _, _ = _timed_run(durations, {"s1"}, set(), workers=2, old_rule=True, keys=keys, key_start=20.0)
+    assert makespan < old, f"the run took {makespan:.0f} s, {old:.0f} s when the check was stolen"
+
+
+SHUTDOWN_SUITE = """
+import os, time, pytest
+
+def _note(name):
+    with open(os.path.join({out!r}, name), "w") as f:
+        f.write(os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
+@pytest.mark.C0
+def test_a_quick():
+    _note("quick")
+
+@pytest.mark.C0
+@pytest.mark.slow(seconds=2)
+def test_b_slow():
+    time.sleep(2.0)
+    _note("slow")
+
+@pytest.mark.C0
+@pytest.mark.parametrize("i", range(6))
+@pytest.mark.shared_setup("kernel workers")
+def test_c_key(i):
+    time.sleep(1.0 if i == 0 else 0.3)
+    _note(f"key-{{i}}")
+"""
+
+
+def test_xdist_run_ends_a_worker_whose_slow_check_would_hold_another_workers_key(write_suite, tmp_path):
+    """A real `-n 2` run (gate order kept: --maxfail): gw0 starts the slow check when only the other
+    worker's key checks are left, and is shut down after it rather than take one; every check runs
+    once and passes, and the run ends (xdist takes a worker shut down while checks are pending
+    for another)."""
+    pytest.importorskip("xdist")
+    out = tmp_path / "ran"
+    out.mkdir()
+    pt = write_suite({"tests_c0_inventory/test_shutdown.py": SHUTDOWN_SUITE.format(out=str(out))})
+    result = pt.runpytest_subprocess("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider",
+                                     "-n", "2", "--maxfail", "100", "tests_c0_inventory", timeout=120)
+    result.assert_outcomes(passed=8)
+    ran = {p.name: p.read_text() for p in out.iterdir()}
+    keyed = {ran[f"key-{i}"] for i in range(6)}
+    assert len(keyed) == 1 and ran["slow"] not in keyed and ran["quick"] == ran["slow"], ran
