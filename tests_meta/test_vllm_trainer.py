@@ -499,7 +499,16 @@ def test_trainer_backward_is_the_same_with_and_without_the_closed_form(proxy_dir
         lps = trainer.logprobs_with_grad(SEQS, layout=Layout.PACKED)
         torch.stack([lp.sum() for lp in lps]).sum().backward()
         return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    used = []
+    real = VO.ref_linear.closed_grads
+
+    def counted(*args, **kwargs):
+        got = real(*args, **kwargs)
+        used.append(got is not None)
+        return got
+    monkeypatch.setattr(VO.ref_linear, "closed_grads", counted)
     closed = grads()
+    assert used and all(used), f"the closed form served {sum(used)} of {len(used)} linear backwards"
     monkeypatch.delattr(VO.ref_linear, "closed_grads")
     rebuilt = grads()
     assert closed.keys() == rebuilt.keys() and len(closed) > 5
