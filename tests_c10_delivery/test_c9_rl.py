@@ -83,6 +83,18 @@ def mismatched_hashes(a: dict, b: dict) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
+def both_hashes(engine, trainer) -> tuple[dict, dict]:
+    """(the engine's, the trainer's) weight hashes, the engine's asked from a thread so that an
+    engine in a process of its own hashes while the trainer hashes here. Why: on the H200 a C9
+    check spent 12.4 s in its hash phases, the sides one after the other (3.3 GB of bf16 weights a
+    side for qwen3's shallow proxy)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="c9-engine-hashes") as pool:
+        theirs = pool.submit(engine.weight_hashes)
+        mine = trainer.weight_hashes()
+        return theirs.result(), mine
+
+
 @pytest.fixture
 def fresh_pair(impl, proxy, phases):
     """A trainer and an engine of their own: C9 changes weights, the session ones stay untouched."""
@@ -111,8 +123,8 @@ def test_two_rl_steps_stay_exactly_on_policy(fresh_pair, proxy, parity, phases, 
     engine, trainer = fresh_pair
     vocab = proxy.config.vocab_size
     with phases("weight hashes"):
-        before = trainer.weight_hashes()
-        start_bad = mismatched_hashes(engine.weight_hashes(), before)
+        engine_before, before = both_hashes(engine, trainer)
+        start_bad = mismatched_hashes(engine_before, before)
     assert start_bad == [], "engine and trainer start from different weights"
     step1 = parity[0].requests(vocab, seed=10)
     rl_step(engine, trainer, vocab, seed=10, parity=parity, phases=phases, record=record_metric, label="step1_")
@@ -178,7 +190,7 @@ def test_skipped_and_lossy_pushes_are_detected(fresh_pair, proxy, parity, phases
     rl_step(engine, trainer, vocab, seed=10, parity=parity, phases=phases)
     silent = []
     with phases("weight hashes"):
-        if not mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()):
+        if not mismatched_hashes(*both_hashes(engine, trainer)):
             silent.append("skipped push not detected by the per-tensor hashes")
     workload, mbt = parity
     with phases("rollouts"):
@@ -193,6 +205,6 @@ def test_skipped_and_lossy_pushes_are_detected(fresh_pair, proxy, parity, phases
     with phases("weight push"):
         engine.load_weights({k: v.to(_lossy(v.dtype)).to(v.dtype) for k, v in trainer.export_weights().items()})
     with phases("weight hashes"):
-        if not mismatched_hashes(engine.weight_hashes(), trainer.weight_hashes()):
+        if not mismatched_hashes(*both_hashes(engine, trainer)):
             silent.append("a lossy round trip of the weights went unnoticed by the hashes")
     assert not silent, "C9 negative controls did not fire:\n  " + "\n  ".join(silent)

@@ -55,3 +55,24 @@ def test_the_push_controls_fire_or_say_which_did_not(proxy, planted):
     finally:
         engine.close()
         trainer.close()
+
+
+def test_both_sides_hash_at_once_and_each_says_its_own(fake_vllm_impl, fake_model_dir):
+    """C9's both_hashes: the engine's hashes asked from a thread while the trainer hashes (each side
+    takes as long as the other here, so one after the other would take twice as long), and the
+    engine's from a worker process through the pipe are what a plain call returns."""
+    import time
+
+    class Slow:
+        def __init__(self, hashes):
+            self.hashes = hashes
+
+        def weight_hashes(self):
+            time.sleep(0.6)
+            return self.hashes
+    t0 = time.perf_counter()
+    assert C9.both_hashes(Slow({"a": "1"}), Slow({"a": "2"})) == ({"a": "1"}, {"a": "2"})
+    assert time.perf_counter() - t0 < 1.0, "the two sides hashed one after the other"
+    with fake_vllm_impl.make_engine(fake_model_dir) as engine:
+        theirs, mine = C9.both_hashes(engine, Slow({"w": "x"}))
+        assert theirs == engine.weight_hashes() and mine == {"w": "x"}
