@@ -275,8 +275,8 @@ def test_unknown_model_type_vs_no_recipe(project, tmp_path, one_error_line):
 
 def test_configs_the_rules_cannot_reduce_are_one_line_before_any_check(project, tmp_path, one_error_line):
     """An attention-free config that is not Mamba (RWKV), and one whose layer layout the depth cut
-    does not rewrite (jamba's attn_layer_period), are refused at start in one line - not as an
-    error in every check that builds the proxy."""
+    cannot express (a Jamba whose kept expert layers no period / offset marks), are refused at
+    start in one line - not as an error in every check that builds the proxy."""
     from transformers import JambaConfig, RwkvConfig
     rwkv = tmp_path / "rwkv"
     RwkvConfig().save_pretrained(rwkv)
@@ -284,6 +284,6 @@ def test_configs_the_rules_cannot_reduce_are_one_line_before_any_check(project, 
                    "model_type 'rwkv' has no attention heads (an attention-free architecture other than Mamba)",
                    "not supported yet")
     jamba = tmp_path / "jamba"
-    JambaConfig().save_pretrained(jamba)
+    JambaConfig(attn_layer_period=3, attn_layer_offset=1).save_pretrained(jamba)
     one_error_line(project.runpytest_inprocess(f"--model={jamba}", "--co"),
-                   "could not reduce jamba to the tiny proxy", "fixtures/models/reduce.py cut_depth")
+                   "could not reduce jamba: the kept layers [0, 1, 3, 4]", "fixtures/models/reduce.py cut_depth")

@@ -234,24 +234,65 @@ def test_fake_worker_reports_traces_and_how_rows_were_found(tmp_path):
     assert "rows mapped by request alone" in text and "rerun alone: started cold (prefix cache reset)" in text, text
 
 
-@pytest.mark.parametrize("model_type, layer_types, names", [
-    ("qwen3_next", None, "Qwen3NextGatedDeltaNet"),
-    ("lfm2", ["conv", "full_attention"], "Lfm2ShortConv")], ids=["gated-delta-net", "short-conv"])
-def test_a_state_space_block_that_is_not_mamba2_is_refused_by_name(tmp_path, model_type, layer_types, names):
-    """A block that keeps a state the engine has no path for (not a Mamba-2 mixer: a gated delta
-    net, a short causal conv) is refused - n/a naming the block's class and the missing piece,
-    never run over a packed row where it would mix the sequences."""
-    import json
+@pytest.mark.parametrize("model_type, match", [
+    ("olmo_hybrid", r"model\.layers\.0\.linear_attn \(OlmoHybridGatedDeltaNet\) has an A_log but is none of them - "
+                    r"the missing piece is an exact-replay state path for OlmoHybridGatedDeltaNet "),
+    ("minimax", r"layer 1 is a state / linear-attention layer \(mamba\+moe\) holding none of them "
+                r"\(self_attn \(MiniMaxLightningAttention\), ")], ids=["other-delta-net-layout", "lightning-attention"])
+def test_a_state_block_without_a_state_path_is_refused_by_name(tmp_path, model_type, match):
+    """A block that keeps a state the engine has no path for is refused - n/a naming the block's
+    class and the missing piece, never run over a packed row where it would mix the sequences:
+    one with an A_log in a layout no replay knows (OLMo-hybrid's separate q/k/v/a/b/g projections),
+    and one the config alone calls linear attention (MiniMax's lightning attention: no A_log, no
+    conv - before this rule the engine accepted it, measured)."""
     from transformers import CONFIG_MAPPING
     from fixtures.reference.engine import EngineUnsupported
-    d = json.loads(CONFIG_MAPPING[model_type]().to_json_string())
-    if layer_types:
-        d["layer_types"] = layer_types * (d["num_hidden_layers"] // len(layer_types))
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "config.json").write_text(json.dumps(d))
+    CONFIG_MAPPING[model_type]().save_pretrained(tmp_path / "src")
     spec = build_proxy(tmp_path / "src", "tiny", tmp_path / "proxy")
-    with pytest.raises(EngineUnsupported, match=rf"^n/a: .*missing piece is an exact-replay state path for {names} "):
+    with pytest.raises(EngineUnsupported, match=rf"^n/a: the reference engine keeps states for .* only; {match}"):
         ReferenceEngine(spec.path)
+
+
+def _shared_attention_decode_vs_prefill(tmp_path) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A tiny Zamba2 whose two hybrid layers call ONE shared attention block: the sampled-token
+    logprobs of 12 greedy decode steps and the same positions in one prefill of prompt + output,
+    and how many modules the engine keys by their calling layer."""
+    import json
+    from transformers import Zamba2Config
+    src = tmp_path / "src"
+    Zamba2Config(hidden_size=64, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"],
+                 num_mem_blocks=1, num_attention_heads=4, n_mamba_heads=8, mamba_d_state=16, chunk_size=8,
+                 intermediate_size=128, vocab_size=512, adapter_rank=8, use_shared_attention_adapter=True,
+                 use_mem_rope=True).save_pretrained(src)
+    assert json.loads((src / "config.json").read_text())["num_mem_blocks"] == 1
+    spec = build_proxy(src, "full", tmp_path / "proxy")
+    prompt = tuple(range(3, 40, 2))
+    with ReferenceEngine(spec.path) as engine:
+        keyed = sum(1 for m in engine.model.modules() if m._forward_pre_hooks)
+        (done,) = engine.generate([Request("shared", prompt, SamplingParams(max_tokens=12))])
+        sample = done.samples[0]
+        prefill = engine.prompt_logprobs([list(prompt) + list(sample.token_ids)])[0]
+    return sample.logprobs, prefill[len(prompt) - 1:], keyed
+
+
+def test_a_shared_attention_block_keeps_a_kv_per_calling_layer(tmp_path, monkeypatch):
+    """Zamba2's hybrid layers share one attention block (its own layer_idx is -1; the calling layer
+    comes with each call): the engine keys its K/V by the calling layer, so decode equals prefill.
+    Control: without that keying the two layers overwrite each other's cached K/V and decode
+    differs (the C4 comparison a Zamba2 proxy with one hybrid layer could not make)."""
+    from fixtures.reference import engine as engine_module
+    decode, prefill, keyed = _shared_attention_decode_vs_prefill(tmp_path / "keyed")
+    assert keyed >= 1
+    assert torch.equal(decode, prefill), (decode, prefill)
+
+    def one_kv_per_module(model):       # keyed by the module (its first calling layer), not by the call
+        for m in model.modules():
+            if getattr(m, "layer_idx", 0) == -1:
+                m._call_layer_idx = 1
+        return 0
+    monkeypatch.setattr(engine_module, "key_shared_attention", one_kv_per_module)
+    decode, prefill, _ = _shared_attention_decode_vs_prefill(tmp_path / "unkeyed")
+    assert not torch.equal(decode, prefill), "the control: one K/V for both calling layers must show"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -391,6 +391,25 @@ def test_a_bamba_config_reduces_keeping_its_attention_layer(tmp_path, size):
         assert reduced.mamba_n_heads * reduced.mamba_d_head == reduced.mamba_expand * reduced.hidden_size
 
 
+@pytest.mark.parametrize("size", ["tiny", "shallow"])
+def test_a_jamba_config_reduces_keeping_its_periodic_layout(tmp_path, size):
+    """Jamba marks attention and expert layers by period / offset: the cut finds the pair that marks
+    exactly the kept layers (else the kept attention layer turns Mamba), and a kept set no pair can
+    mark is refused naming the field - never cut into other layer kinds."""
+    from transformers import JambaConfig
+    JambaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=16, vocab_size=512).save_pretrained(tmp_path / "ok")
+    real = P.source_config(tmp_path / "ok")
+    reduced = P.proxy_config(real, size)
+    assert P.layer_kinds(reduced) == ["mamba+mlp", "mamba+moe", "attention+mlp"]
+    assert (reduced.attn_layer_period, reduced.attn_layer_offset) == (3, 2)
+    assert (reduced.expert_layer_period, reduced.expert_layer_offset) == (2, 1)
+    JambaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=16, vocab_size=512,
+                attn_layer_period=3, attn_layer_offset=1).save_pretrained(tmp_path / "odd")
+    with pytest.raises(P.ProxyError, match=r"need expert layers at \[1, 2\] of 4, which no "
+                                           r"expert_layer_period / expert_layer_offset pair expresses"):
+        P.proxy_config(P.source_config(tmp_path / "odd"), size)
+
+
 def test_output_multipliers_do_not_flatten_the_proxy_logits(tmp_path):
     """FalconH1 multiplies its logits by lm_head_multiplier (0.039), Granite divides them by
     logits_scaling (6): on random weights that flattens the logits until a few ULP of difference
