@@ -287,3 +287,19 @@ def test_configs_the_rules_cannot_reduce_are_one_line_before_any_check(project, 
     JambaConfig(attn_layer_period=3, attn_layer_offset=1).save_pretrained(jamba)
     one_error_line(project.runpytest_inprocess(f"--model={jamba}", "--co"),
                    "could not reduce jamba: the kept layers [0, 1, 3, 4]", "fixtures/models/reduce.py cut_depth")
+
+
+def test_a_config_transformers_cannot_build_is_one_line(project, tmp_path, one_error_line):
+    """transformers' own model code refusing a config (HunYuan-MoE's default config has no
+    head_dim, and its attention computes head_dim ** -0.5) is one line naming the error - it was an
+    INTERNALERROR traceback from deep inside transformers (measured)."""
+    import json
+    from transformers import CONFIG_MAPPING
+    src = tmp_path / "hunyuan"
+    CONFIG_MAPPING["hunyuan_v1_moe"]().save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    config["num_experts_per_tok"] = 1
+    (src / "config.json").write_text(json.dumps(config))
+    one_error_line(project.runpytest_inprocess(f"--model={src}", "--co"),
+                   "transformers cannot build a hunyuan_v1_moe model from this config (TypeError: ",
+                   "check config.json against the model's own")

@@ -235,19 +235,23 @@ def test_fake_worker_reports_traces_and_how_rows_were_found(tmp_path):
 
 
 @pytest.mark.parametrize("model_type, match", [
-    ("olmo_hybrid", r"model\.layers\.0\.linear_attn \(OlmoHybridGatedDeltaNet\) has an A_log but is none of them - "
-                    r"the missing piece is an exact-replay state path for OlmoHybridGatedDeltaNet "),
+    ("kimi_linear", r"model\.layers\.0\.self_attn\.conv1d \(Conv1d\) is a convolution over tokens outside a block "
+                    r"with a state path - the missing piece is an exact-replay state path for "),
     ("minimax", r"layer 1 is a state / linear-attention layer \(mamba\+moe\) holding none of them "
-                r"\(self_attn \(MiniMaxLightningAttention\), ")], ids=["other-delta-net-layout", "lightning-attention"])
+                r"\(self_attn \(MiniMaxLightningAttention\), ")], ids=["delta-attention-convs", "lightning-attention"])
 def test_a_state_block_without_a_state_path_is_refused_by_name(tmp_path, model_type, match):
     """A block that keeps a state the engine has no path for is refused - n/a naming the block's
     class and the missing piece, never run over a packed row where it would mix the sequences:
-    one with an A_log in a layout no replay knows (OLMo-hybrid's separate q/k/v/a/b/g projections),
-    and one the config alone calls linear attention (MiniMax's lightning attention: no A_log, no
-    conv - before this rule the engine accepted it, measured)."""
+    one with token convs no replay knows (Kimi-Linear's delta attention), and one the config alone
+    calls linear attention (MiniMax's lightning attention: no A_log, no conv - before this rule the
+    engine accepted it, measured)."""
+    import json
     from transformers import CONFIG_MAPPING
     from fixtures.reference.engine import EngineUnsupported
     CONFIG_MAPPING[model_type]().save_pretrained(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config.setdefault("num_experts_per_tok", 8)        # Kimi-Linear's default config leaves it out
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
     spec = build_proxy(tmp_path / "src", "tiny", tmp_path / "proxy")
     with pytest.raises(EngineUnsupported, match=rf"^n/a: the reference engine keeps states for .* only; {match}"):
         ReferenceEngine(spec.path)

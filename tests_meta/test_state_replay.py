@@ -1,8 +1,8 @@
 """Meta tests of the exact-replay state blocks the reference engine and trainer share:
 fixtures/reference/mamba_replay.py (Mamba-2: Mamba2Mixer, NemotronH's, Bamba's, FalconH1's,
 GraniteMoeHybrid's), selective_replay.py (Mamba-1: MambaMixer, FalconMambaMixer, JambaMambaMixer),
-short_conv_replay.py (LFM2's Lfm2ShortConv) and delta_rule_replay.py (Qwen3-Next's and Qwen3.5's
-gated delta nets). Bitwise only between their own paths (prefill,
+short_conv_replay.py (LFM2's Lfm2ShortConv) and delta_rule_replay.py (Qwen3-Next's, Qwen3.5's and
+OLMo-hybrid's gated delta nets). Bitwise only between their own paths (prefill,
 decode, splits, packing); against transformers' torch path with a tolerance (the same model, not
 the same rounding)."""
 from __future__ import annotations
@@ -28,8 +28,9 @@ GROUPS = {"nemotron_h": 2, "bamba": 1, "falcon_h1": 1, "granitemoehybrid": 1}
 SELECTIVE = ("mamba", "falcon_mamba", "jamba")
 # the gated short conv (conv state only, no scan)
 SHORT_CONV = ("lfm2",)
-# gated delta nets: Qwen3-Next's fused projections, Qwen3.5's separate ones
-DELTA = ("qwen3_next", "qwen3_5_text")
+# gated delta nets: Qwen3-Next's fused projections, Qwen3.5's separate ones, OLMo-hybrid's q/k/v/g/b/a
+# with o_norm / o_proj and beta doubled (allow_neg_eigval)
+DELTA = ("qwen3_next", "qwen3_5_text", "olmo_hybrid")
 NOT_CHUNKED = SELECTIVE + SHORT_CONV + DELTA
 MODELS = MAMBA2 + NOT_CHUNKED
 
