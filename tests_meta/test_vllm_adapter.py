@@ -997,3 +997,31 @@ def test_the_next_start_imports_during_this_one(model_dir, tmp_path, monkeypatch
             assert second.engine.proc.pid == spare.proc.pid and impl.pool.spares_used == 1
     finally:
         impl.pool.close_all()
+
+
+def test_a_weight_push_streams_host_tensors_to_vllm(tmp_path, monkeypatch):
+    """The engine worker hands vLLM's reload_weights a lazy iterator of host tensors read from the
+    pushed file one at a time (as vLLM's cold load does), not the whole file loaded onto the GPU
+    first - that doubled the weights' footprint during a push (a C9 push ran out of memory on an
+    H100, 2026-12-05). Stub runner: what it is given, and when each tensor is read."""
+    import types
+    from safetensors.torch import save_file
+    from fixtures.vllm import worker as vworker
+    weights = {"model.embed_tokens.weight": torch.randn(8, 4), "lm_head.weight": torch.randn(8, 4)}
+    save_file(weights, str(tmp_path / "push.safetensors"))
+    seen = {}
+
+    class Runner:
+        def reload_weights(self, weights_iterator, is_checkpoint_format):
+            seen["lazy"] = isinstance(weights_iterator, types.GeneratorType)
+            seen["tensors"] = {name: t for name, t in weights_iterator}
+            seen["checkpoint_format"] = is_checkpoint_format
+
+    backend = object.__new__(vworker.VLLMBackend)
+    backend.runner, backend.llm = Runner(), types.SimpleNamespace(reset_prefix_cache=lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert backend.load_weights(str(tmp_path / "push.safetensors")) is True
+    assert seen["lazy"] and seen["checkpoint_format"]
+    assert sorted(seen["tensors"]) == sorted(weights)
+    for name, t in seen["tensors"].items():
+        assert t.device.type == "cpu" and torch.equal(t, weights[name])
