@@ -254,39 +254,55 @@ def test_stock_cache_continues_a_state(mixers, name):
     assert far > 1e-2, f"the control: a restarted scan must be far off (relative {far:.1e})"
 
 
-def _reversed_taps_in_decode(conv1d, lines, lens):
-    """A planted variant of the conv: a decode step (every sequence one token) adds the taps in
-    the reverse order - a rounding-only change (IEEE float adds, the same on every CPU)."""
-    if any(n != 1 for n in lens):
-        return _TAP_ORDER(conv1d, lines, lens)
-    w = conv1d.weight[:, 0, :]
-    pre = None
-    for k in reversed(range(w.shape[1])):
-        tap = torch.cat([line[k:k + n] for line, n in zip(lines, lens)]).to(w.dtype) * w[:, k]
-        pre = tap if pre is None else pre + tap
-    return pre + conv1d.bias if conv1d.bias is not None else pre
+# Which calls a plant reverses, per comparison: the decode steps (every sequence one token), a call
+# packing several sequences, or the pieces of a prefill split at token 5 (one sequence, fewer
+# than its 27 tokens).
+PLANTED_CALLS = {
+    "decode": lambda lens: all(n == 1 for n in lens),
+    "packed": lambda lens: len(lens) > 1,
+    "split": lambda lens: len(lens) == 1 and 1 < lens[0] < 27,
+}
+
+
+def _planted_conv(planted):
+    """A variant of the conv that adds the taps in reverse order in the calls `planted(lens)`
+    picks - a rounding-only change (IEEE float adds, the same on every CPU)."""
+    def conv(conv1d, lines, lens):
+        if not planted(lens):
+            return _TAP_ORDER(conv1d, lines, lens)
+        w = conv1d.weight[:, 0, :]
+        pre = None
+        for k in reversed(range(w.shape[1])):
+            tap = torch.cat([line[k:k + n] for line, n in zip(lines, lens)]).to(w.dtype) * w[:, k]
+            pre = tap if pre is None else pre + tap
+        return pre + conv1d.bias if conv1d.bias is not None else pre
+    return conv
 
 
 _TAP_ORDER = S.causal_conv
 
 
 @pytest.mark.parametrize("name", NOT_CHUNKED)
-def test_control_planted_tap_order_is_seen(mixers, name, monkeypatch):
-    """Negative control of the prefill == decode comparison: with decode adding the conv's taps in
-    another order, the same comparison fails. (transformers' own decode path equals its prefill
-    under the batch-invariant kernels for Mamba-1 - measured - so a rounding-only plant is the
-    control that exists on every machine.)"""
+@pytest.mark.parametrize("comparison", sorted(PLANTED_CALLS))
+def test_control_planted_tap_order_is_seen(mixers, name, comparison, monkeypatch):
+    """Negative control of each comparison above - prefill == decode, packed == alone, split ==
+    unsplit: with one side's calls adding the conv's taps in another order, the same comparison
+    fails. (transformers' own decode path equals its prefill under the batch-invariant kernels for
+    Mamba-1 - measured - so a rounding-only plant is the control that exists on every machine.)"""
     mixer = mixers[name]
     x = _hidden(mixer, 27, seed=1)[0]
-    monkeypatch.setattr(S, "causal_conv", _reversed_taps_in_decode)
-    monkeypatch.setattr(SC, "causal_conv", _reversed_taps_in_decode)
-    monkeypatch.setattr(DR, "causal_conv", _reversed_taps_in_decode)
+    for module in (S, SC, DR):
+        monkeypatch.setattr(module, "causal_conv", _planted_conv(PLANTED_CALLS[comparison]))
     with torch.no_grad(), batch_invariant_mode():
-        prefill = _run(mixer, x, [27])
-        decode = _run(mixer, x, range(1, 28))
-    with pytest.raises(AssertionError, match="decode"):
-        assert_bitwise(decode, prefill, what=f"{name} replay outputs", lhs_name="decode", rhs_name="prefill")
-
+        whole = _run(mixer, x, [27])
+        if comparison == "decode":
+            other = _run(mixer, x, range(1, 28))
+        elif comparison == "split":
+            other = _run(mixer, x, [5, 27])
+        else:
+            other = R.mixer_step(mixer, [x[:8], x], [None, None])[0][1]
+    with pytest.raises(AssertionError, match=comparison):
+        assert_bitwise(other, whole, what=f"{name} replay outputs", lhs_name=comparison, rhs_name="one prefill alone")
 
 
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["as-loaded", "control-hub-kernels-on"])
