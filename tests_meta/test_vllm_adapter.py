@@ -492,7 +492,8 @@ def test_engines_are_reused_per_configuration(model_dir, monkeypatch, tmp_path):
             assert list(c["parts"]) == list(PHASES.values()) + [OUTSIDE, IMPORT_WAIT], c
             assert all(c["parts"][p] > 0 for p in PHASES.values()), c
             assert c["parts"][IMPORT_WAIT] > 0, f"a worker spawned for the start imports on its clock: {c}"
-            assert sum(c["parts"].values()) < c["s"], c
+            # the parts and the total are each rounded to the millisecond: the parts may overshoot by half a ms each
+            assert sum(c["parts"].values()) <= c["s"] + 0.0005 * len(c["parts"]), c
         first = impl.pool.entries[next(iter(impl.pool.entries))][0]
         with impl.make_engine(model_dir, EngineSettings(max_num_seqs=5)):
             pass
