@@ -257,46 +257,31 @@ def test_a_state_block_without_a_state_path_is_refused_by_name(tmp_path, model_t
         ReferenceEngine(spec.path)
 
 
-def _shared_attention_decode_vs_prefill(tmp_path) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A tiny Zamba2 whose two hybrid layers call ONE shared attention block: the sampled-token
-    logprobs of 12 greedy decode steps and the same positions in one prefill of prompt + output,
-    and how many modules the engine keys by their calling layer."""
-    import json
-    from transformers import Zamba2Config
-    src = tmp_path / "src"
-    Zamba2Config(hidden_size=64, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"],
-                 num_mem_blocks=1, num_attention_heads=4, n_mamba_heads=8, mamba_d_state=16, chunk_size=8,
-                 intermediate_size=128, vocab_size=512, adapter_rank=8, use_shared_attention_adapter=True,
-                 use_mem_rope=True).save_pretrained(src)
-    assert json.loads((src / "config.json").read_text())["num_mem_blocks"] == 1
-    spec = build_proxy(src, "full", tmp_path / "proxy")
+def _decode_vs_prefill(engine) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled-token logprobs of 12 greedy decode steps, and the same positions in one prefill
+    of prompt + output."""
     prompt = tuple(range(3, 40, 2))
+    (done,) = engine.generate([Request("shared", prompt, SamplingParams(max_tokens=12))])
+    sample = done.samples[0]
+    prefill = engine.prompt_logprobs([list(prompt) + list(sample.token_ids)])[0]
+    return sample.logprobs, prefill[len(prompt) - 1:]
+
+
+def test_a_shared_attention_block_keeps_a_kv_per_calling_layer(tmp_path):
+    """Zamba2's hybrid layers call one shared attention block (tied weights; its own layer_idx is
+    -1, the calling layer comes with each call). The family's own proxy keeps two of them calling
+    one block (fixtures.models.reduce: kinds_sharing_blocks), and the engine keys the block's K/V by
+    the calling layer, so decode equals prefill. Control: the catalog's
+    shared_attention_kv_per_block (one K/V for all callers) - decode differs."""
+    from fixtures.models.proxies import FAMILIES_DIR
+    spec = build_proxy(FAMILIES_DIR / "zamba2", "tiny", tmp_path / "proxy")
     with ReferenceEngine(spec.path) as engine:
-        keyed = sum(1 for m in engine.model.modules() if m._forward_pre_hooks)
-        (done,) = engine.generate([Request("shared", prompt, SamplingParams(max_tokens=12))])
-        sample = done.samples[0]
-        prefill = engine.prompt_logprobs([list(prompt) + list(sample.token_ids)])[0]
-    return sample.logprobs, prefill[len(prompt) - 1:], keyed
-
-
-def test_a_shared_attention_block_keeps_a_kv_per_calling_layer(tmp_path, monkeypatch):
-    """Zamba2's hybrid layers share one attention block (its own layer_idx is -1; the calling layer
-    comes with each call): the engine keys its K/V by the calling layer, so decode equals prefill.
-    Control: without that keying the two layers overwrite each other's cached K/V and decode
-    differs (the C4 comparison a Zamba2 proxy with one hybrid layer could not make)."""
-    from fixtures.reference import engine as engine_module
-    decode, prefill, keyed = _shared_attention_decode_vs_prefill(tmp_path / "keyed")
-    assert keyed >= 1
-    assert torch.equal(decode, prefill), (decode, prefill)
-
-    def one_kv_per_module(model):       # keyed by the module (its first calling layer), not by the call
-        for m in model.modules():
-            if getattr(m, "layer_idx", 0) == -1:
-                m._call_layer_idx = 1
-        return 0
-    monkeypatch.setattr(engine_module, "key_shared_attention", one_kv_per_module)
-    decode, prefill, _ = _shared_attention_decode_vs_prefill(tmp_path / "unkeyed")
-    assert not torch.equal(decode, prefill), "the control: one K/V for both calling layers must show"
+        assert len(engine.shared_attention) == 2, "two hybrid layers, each calling the shared block"
+        decode, prefill = _decode_vs_prefill(engine)
+        assert torch.equal(decode, prefill), (decode, prefill)
+        with FAULTS["shared_attention_kv_per_block"].active(engine):
+            decode, prefill = _decode_vs_prefill(engine)
+        assert not torch.equal(decode, prefill), "the control: one K/V for both calling layers must show"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -183,9 +183,18 @@ def test_header_echoes_the_implementation(suite):
     assert "conformance device: cpu" in out
 
 
+def test_a_family_is_named_by_its_directory(suite):
+    """--model=zamba2 runs the shipped family config (fixtures/models/families/zamba2), as
+    --model=all-families runs all of them; an unknown name's usage error lists the names."""
+    from fixtures.models.proxies import FAMILIES_DIR
+    out = run(suite(fail=False), "--co", "--model=zamba2").stdout.str()
+    assert f"conformance models: llama, {FAMILIES_DIR / 'zamba2'}; proxy: tiny" in out, out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model=/no/such/model/dir"], "no such directory"),
     (["--model=unknown_arch"], "no such directory (built-in recipes: "),
+    (["--model=unknown_arch"], "; families, by name: bamba, "),
     (["--impl", "no_such_module:make"], "cannot import module 'no_such_module'"),
     (["--impl", "fixtures.core.gates:GATES"], "has no callable 'GATES'"),
     (["--impl", "noformat"], "expected a built-in name"),

@@ -410,6 +410,28 @@ def test_a_jamba_config_reduces_keeping_its_periodic_layout(tmp_path, size):
         P.proxy_config(P.source_config(tmp_path / "odd"), size)
 
 
+@pytest.mark.parametrize("size", ["tiny", "shallow"])
+def test_a_zamba2_proxy_calls_its_shared_block_at_two_depths(size):
+    """Zamba2's hybrid layers tie their attention block (num_mem_blocks of them, cycled): a proxy
+    with one hybrid layer would never call a block twice, and an engine keeping one K/V per block
+    instead of per calling layer would pass every gate (the fault matrix's
+    shared_attention_kv_per_block: it did not fire on that proxy, measured). The cut keeps two
+    hybrid layers and one block. Control: the same cut with the real num_mem_blocks (2) gives each
+    kept layer a block of its own, and check_reduced refuses it by name."""
+    from fixtures.models import reduce
+    real = P.source_config(P.FAMILIES_DIR / "zamba2")
+    kinds, shared = reduce.layer_layout(real)
+    assert shared == {"mamba+attention+mlp"}
+    reduced = P.proxy_config(real, size)
+    assert reduce.layer_layout(reduced) == (["mamba", "mamba+attention+mlp", "mamba+attention+mlp"], shared)
+    assert reduced.num_mem_blocks == 1
+    keep = reduce.keep_layers(kinds, twice=shared)
+    d = reduced.to_dict() | {"num_mem_blocks": real.num_mem_blocks}
+    with pytest.raises(P.ProxyError, match=r"its \['mamba\+attention\+mlp'\] layers call a shared block, but the cut "
+                                           r"config gives each kept layer a block of its own"):
+        reduce.check_reduced(kinds, keep, reduce.make_config(d), size, shared)
+
+
 def test_output_multipliers_do_not_flatten_the_proxy_logits(tmp_path):
     """FalconH1 multiplies its logits by lm_head_multiplier (0.039), Granite divides them by
     logits_scaling (6): on random weights that flattens the logits until a few ULP of difference
