@@ -324,3 +324,30 @@ def test_a_failing_example_is_reported_as_drawn_not_shrunk():
         assert set(seen[first:]) == {seen[first]}, f"{profile} shrank: {seen[first:first + 5]} ..."
     shrunk = calls("shrink")
     assert shrunk[-1] == 1000 and len(shrunk) > 3, shrunk[-5:]
+
+
+def test_a_failed_checks_reason_says_what_differed(suite):
+    """The report's reason for a failed check carries the failure's first two lines (what was
+    compared, the first difference) with the exception's class, not only "call failed"; an
+    exception without a message keeps its class alone, a long one is cut at 400 characters."""
+    long_line = "x" * 600
+    pt = suite(fail=False, extra={"tests_c8_training/test_msg.py": f"""
+import pytest
+class BitwiseMismatch(AssertionError):
+    pass
+@pytest.mark.C6
+def test_mismatch():
+    raise BitwiseMismatch("decode != prefill (bitwise)\\n\\n  first difference at token 3: -1.5 (0xbfc00000) vs -1.25 (0xbfa00000)\\n  more")
+@pytest.mark.C6
+def test_bare():
+    raise RuntimeError
+@pytest.mark.C6
+def test_long():
+    raise ValueError("{long_line}")
+"""})
+    run(pt, "--report=rep")
+    checks = {c["nodeid"].split("::")[-1]: c for c in json.loads((pt.path / "rep" / "report.json").read_text())["checks"]}
+    assert checks["test_mismatch"]["reason"] == ("call failed: BitwiseMismatch: decode != prefill (bitwise); first "
+                                                 "difference at token 3: -1.5 (0xbfc00000) vs -1.25 (0xbfa00000)")
+    assert checks["test_bare"]["reason"] == "call failed: RuntimeError"
+    assert len(checks["test_long"]["reason"]) == len("call failed: ") + 400 and checks["test_long"]["reason"].endswith("...")
