@@ -105,12 +105,16 @@ def trainer(impl, proxy):
 @pytest.fixture(scope="session")
 def engine_factory(impl, proxy):
     """Callable (EngineSettings) -> Engine for the proxy; skips the test with the implementation's
-    reason where it provides no engine. Engines are context managers: use `with`."""
+    reason where it provides no engine. Engines are context managers: use `with`. Every
+    generate() / prompt_logprobs() result is shape-checked before any value is compared
+    (fixtures.checks.completion_shapes)."""
     from fixtures.core.contract import EngineSettings
+
+    from fixtures.checks.completion_shapes import shape_checked
 
     def make(settings: EngineSettings = EngineSettings()):
         try:
-            return impl.make_engine(proxy.path, settings)
+            return shape_checked(impl.make_engine(proxy.path, settings))
         except NotImplementedError as exc:
             skip_not_available(exc, "no engine")
     return make

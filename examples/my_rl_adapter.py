@@ -5,7 +5,8 @@ AutoModelForCausalLM with stock torch on the CPU - the template for wiring in yo
 What it provides:
 - the Trainer contract: `logprobs`, `module`, `export_weights`, `close`, `layouts`;
 - the optional capabilities C8 and C9 ask for: TrainsRL (`train_step`, `weight_hashes`,
-  `export_weights`) and LogprobsWithGrad (`logprobs_with_grad`);
+  `export_weights`), LogprobsWithGrad (`logprobs_with_grad`) and DeclaresOptimizer
+  (`optimizer_spec`: the optimizer train_step applies, which C8 replays in float64);
 - no engine (make_engine raises NotImplementedError: the engine gates C3-C5, C7 and C9 are n/a),
   no kernel mode (not HasKernelMode: C0's kernel-table check is n/a) and no kernel library (not
   ProvidesKernels: C2 is n/a). Add them as your system has them; every gate that needs one says
@@ -30,7 +31,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from fixtures.core.contract import Implementation, Layout
+from fixtures.core.contract import Implementation, Layout, OptimizerSpec
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -52,7 +53,9 @@ class MyTrainer:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                           attn_implementation="eager")
         self.model.train()
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, foreach=False)
+        # DeclaresOptimizer: what train_step's update is (C8 holds it to a float64 step); built from the declaration
+        self.optimizer_spec = OptimizerSpec("sgd", lr=lr)
+        self.optimizer = self.optimizer_spec.make(self.model.parameters())
         self.checkpoint_names = set()
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as fh:

@@ -40,6 +40,31 @@ def test_every_layer_kind_kept(proxy, real_config):
     assert list(proxy.layer_kinds) == layer_kinds(proxy.config), "proxy spec disagrees with its own config"
 
 
+def test_structural_relations_kept(proxy, real_config):
+    """Whatever its widths, the proxy keeps the real config's relations: head_dim vs hidden / heads,
+    tied vs untied LM head, MHA / GQA / MQA, a sliding window (fixtures.models.reduce.structural_relations)."""
+    from fixtures.models.reduce import structural_relations
+    real, mine = structural_relations(real_config), structural_relations(proxy.config)
+    assert mine == real, f"the {proxy.size} proxy changed structural relations: real {real}, proxy {mine}"
+
+
+def test_no_dropout_in_training(proxy, real_config):
+    """Train-mode dropout draws a random mask per forward: no trainer logprob could equal the
+    engine's. The proxy zeroes every dropout probability of the real config and says which; a
+    checkpoint run (--proxy checkpoint) must have none (set them to 0 in your trainer too)."""
+    from fixtures.models.admission import is_dropout_field
+    live = {k: v for k, v in proxy.config.to_dict().items()
+            if is_dropout_field(k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v}
+    assert not live, (f"the {proxy.size} model trains with dropout {live}: train-mode dropout breaks parity "
+                      "(set these to 0 in the config and in your trainer)")
+    zeroed = getattr(proxy.config, "onpolicy_zeroed_dropout", None) or {}
+    real = {k: v for k, v in real_config.to_dict().items()
+            if is_dropout_field(k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v}
+    assert zeroed == {k: float(v) for k, v in real.items()}, f"zeroed {zeroed}, real config's dropout {real}"
+    if zeroed:
+        print(f"the proxy zeroed the real config's dropout {zeroed}: your trainer must train without it too")
+
+
 def test_experts_exceed_top_k(proxy):
     top_k = getattr(proxy.config, "num_experts_per_tok", None)
     experts = [getattr(proxy.config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")

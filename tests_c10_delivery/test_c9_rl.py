@@ -21,7 +21,7 @@ import torch
 from fixtures.core import costs
 from fixtures.core.comparison import BitwiseMismatch, expecting_mismatch
 from fixtures.core.contract import ResetsPrefixCache, TrainsRL
-from fixtures.core.outcomes import not_applicable, not_available
+from fixtures.core.outcomes import not_applicable, not_available, not_carried_out
 from fixtures.diagnose.engine_rows import run_stated
 from fixtures.checks.rollouts import assert_parity, collect, sample_rollouts
 from fixtures.checks.weight_push import assert_served_fresh, held_prompts, resent
@@ -98,8 +98,11 @@ def both_hashes(engine, trainer) -> tuple[dict, dict]:
 @pytest.fixture
 def fresh_pair(impl, proxy, phases):
     """A trainer and an engine of their own: C9 changes weights, the session ones stay untouched."""
-    with phases("trainer set-up"):
-        trainer = impl.make_trainer(proxy.path)
+    try:
+        with phases("trainer set-up"):
+            trainer = impl.make_trainer(proxy.path)
+    except NotImplementedError as exc:      # a trainer that does not cover the model: n/a, never red
+        not_available(exc, "no trainer")
     if not isinstance(trainer, TrainsRL):
         trainer.close()
         not_applicable("the trainer is not TrainsRL (no train_step / weight_hashes / export_weights: no RL step "
@@ -156,9 +159,13 @@ def prompts_held(engine, step1, record) -> None:
     without a prefix cache has none to go stale: nothing to see, no metric."""
     if not engine.capabilities().prefix_cache:
         return
-    held = sum(c.num_cached_tokens for c in engine.generate(held_prompts(step1)))
+    probes = held_prompts(step1)
+    held = sum(c.num_cached_tokens for c in engine.generate(probes))
     record("step1_prompt_tokens_held_at_push", held)
-    assert held > 0, "the declared prefix cache held none of step 1's prompts at the weight push"
+    if held == 0:      # the cache kept nothing to go stale: the re-send would prove nothing (#44)
+        not_carried_out(f"the declared prefix cache held none of step 1's {len(probes)} prompts "
+                        f"({sum(len(r.prompt_ids) for r in probes)} tokens) at the weight push: its KV cache is too "
+                        f"small to keep them ({engine.last_stats().extra.get('kv_cache', 'size not reported')})")
 
 
 def resend_after_push(engine, step1, record):

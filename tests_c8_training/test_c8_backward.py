@@ -5,7 +5,9 @@ exceed it); the optimizer step is deterministic. The trainer's own backward (cus
 fused kernels): its parameter gradients against a float64 copy of the module within a bound
 calibrated by a stock run in its dtype (fixtures.checks.grad_model), bitwise gradients on >= 1,000
 tokens with ids repeated many times, and two identical train steps giving identical weights; each
-with a planted custom autograd Function that must be caught.
+with a planted custom autograd Function that must be caught. The trainer's own optimizer update: one
+train_step against a float64 step of the optimizer it declares (DeclaresOptimizer;
+fixtures.checks.optimizer_step), its planted fault in the catalog (trainer_update_bf16_large_tensors).
 
 The bound and its constant are documented in fixtures.checks.grad_checks: |g - g64| <= 2 * n * u * S,
 u = 2^-24, n the reduction length of the backward computation, S the elementwise magnitude.
@@ -395,3 +397,54 @@ def test_train_step_twice_same_weights(trainer, proxy, planted):
                                     around=lambda r: G.planted_in_trainer("embedding_backward_unordered", r.module()))
     except G.NotCopyable as exc:
         not_applicable(str(exc))
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer's own optimizer update against a float64 step of the optimizer it declares
+# (fixtures.checks.optimizer_step)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.shared_setup("c8 float64 reference")
+def test_trainer_update_matches_a_float64_optimizer_step(trainer, proxy, reference_grads, trainer_mode, record_metric):
+    """The trainer's OWN optimizer update, against the optimizer it declares (DeclaresOptimizer).
+
+    Why: the optimizer checks above step the suite's own replicas, and C9 compares the engine with
+    the trainer, which share whatever weights the trainer's update made: a trainer whose optimizer
+    is wrong (Adam moments kept in bf16 above a size, a wrong bias correction, weight decay applied
+    twice) passes every other gate.
+
+    How: the trainer's gradient g of the TrainsRL loss on a seeded batch (C8's first calibration
+    batch, advantages of both signs), through its own forward (LogprobsWithGrad), recomputed outside
+    its step; a deep copy of the trainer takes one train_step on that batch; every trainable
+    parameter after it, w1, must satisfy elementwise
+
+        |w1 - w64| <= 4 u |w0| + 16 u |U| + P,   w64 = w0 + U(w0, g) in float64,
+
+    U the first step of the declared optimizer (torch.optim's algorithm) applied in float64 to the
+    float64 copy of the weights before, u the unit roundoff of the trainer's dtype. The first two
+    terms are the update's rounding in the trainer's dtype (the final addition and decoupled weight
+    decay: 3 roundings of the weight's size; the update's own chain: <= 12 of its size, Adam's);
+    P is C8's model-gradient bound propagated through one step: the step's own gradient and the
+    recomputed one are both within level = C_MODEL * max(eps, FLOOR_U u) of the float64 gradient's
+    scale (test_trainer_grads_within_model_bound), so they differ by at most delta = 2 level max|g| /
+    (1 - level) per tensor, and U, elementwise and monotone in g, moves by at most
+    max |U(g +- delta) - U(g)|. The derivation in full: fixtures.checks.optimizer_step. The planted
+    control is the catalog's trainer_update_bf16_large_tensors (docs/fault-matrix.md).
+    """
+    from fixtures.checks import optimizer_step as OS
+    from fixtures.core.contract import DeclaresOptimizer, TrainsRL
+    for cap, why in ((TrainsRL, "it takes no train_step"),
+                     (DeclaresOptimizer, "it declares no optimizer_spec: no float64 step to replay"),
+                     (LogprobsWithGrad, "no gradient of the RL loss through its own forward")):
+        if not isinstance(trainer, cap):
+            not_applicable(f"the trainer is not {cap.__name__}: {why}", capability=cap)
+    batch = G.seeded_batches(proxy.config.vocab_size)[0]
+    kw = dict(prompt_lens=[4] * len(batch), advantages=[(-1.0) ** i * (1 + i) / len(batch) for i in range(len(batch))])
+    try:
+        rep = gpu_memory.once_more_after_oom(lambda: OS.check_trainer_update(
+            trainer, batch, **kw, level=reference_grads.level, kernel_mode=trainer_mode), "C8's optimizer step")
+    except G.NotCopyable as exc:
+        not_applicable(str(exc))
+    record_metric("C8 optimizer", trainer.optimizer_spec.describe())
+    record_metric("C8 optimizer step max ratio", rep.max_ratio)
+    record_metric("C8 optimizer step elements moved", rep.changed)
+    assert rep.ok, rep.message()

@@ -98,7 +98,7 @@ def test_reference_capabilities(llama_dir):
     with impl.kernel_mode() as mode:
         assert isinstance(mode, C.CountsServedOps)
     trainer = impl.make_trainer(llama_dir)
-    assert C.capabilities_of(trainer, C.TRAINER_CAPABILITIES) == ["TrainsRL", "LogprobsWithGrad",
+    assert C.capabilities_of(trainer, C.TRAINER_CAPABILITIES) == ["TrainsRL", "LogprobsWithGrad", "DeclaresOptimizer",
                                                                    "RunsUnderKernelMode"]
     with impl.make_engine(llama_dir) as engine:
         assert C.capabilities_of(engine, C.ENGINE_CAPABILITIES) == ["ResetsPrefixCache", "RecordsRows",
@@ -154,7 +154,8 @@ def test_engine_kernel_trainer_capabilities(qwen3_dir):
     from fixtures.vllm import trainer_ops as VO
     trainer = VT.EngineKernelTrainer(qwen3_dir, VO.ReferenceOps, dtype=torch.float32, device="cpu")
     have = C.capabilities_of(trainer, C.TRAINER_CAPABILITIES)
-    assert have == ["TrainsRL", "LogprobsWithGrad", "RecordsModuleOutputs", "RecordsModuleOutputsInBatch",
+    assert have == ["TrainsRL", "LogprobsWithGrad", "DeclaresOptimizer", "RecordsModuleOutputs",
+                    "RecordsModuleOutputsInBatch",
                     "RunsEngineKernels", "DeclaresBackwards", "HasTensorParallel", "ComputesAtTensorParallel", "RunsUnderKernelMode",
                     "PlantsULP"], have                   # ReferenceOps names no sampler
     trainer.ops = types.SimpleNamespace(sampler="v2", name="x")

@@ -43,7 +43,7 @@ def test_a_failure_points_to_its_gates_porting_guide_section():
     try:
         with pytest.raises(BitwiseMismatch) as info:
             assert_bitwise(torch.zeros(2), torch.ones(2), what="x")
-        assert "what to do: docs/porting-guide.md#c3 (C3)" in str(info.value)
+        assert "what to do: docs/porting-guide.md#c3-engine-batch-invariance (C3)" in str(info.value)
     finally:
         environment._current.update(before)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from fixtures.checks.selftest import check_implementation
-from fixtures.core.contract import (ChecksEngineKernels, HasKernelMode, LogprobsWithGrad, ProvidesKernels,
-                                    RecordsModuleOutputs, TrainsRL)
+from fixtures.core.contract import (ChecksEngineKernels, DeclaresOptimizer, HasKernelMode, LogprobsWithGrad,
+                                    ProvidesKernels, RecordsModuleOutputs, TrainsRL)
 
 ROOT = Path(__file__).resolve().parents[1]
 GATES = [f"C{i}" for i in range(10)]
@@ -28,7 +28,7 @@ def test_example_passes_the_contract_self_test():
     from examples.my_rl_adapter import make
     done = check_implementation(make(), "llama")
     assert "trainer" in done
-    assert "trainer capabilities: TrainsRL, LogprobsWithGrad" in done, done
+    assert "trainer capabilities: TrainsRL, LogprobsWithGrad, DeclaresOptimizer" in done, done
     assert "implementation capabilities: none" in done, done
 
 
@@ -40,6 +40,7 @@ def test_example_declares_what_it_has(tmp_path):
     trainer = impl.make_trainer(build_proxy("llama", "tiny", tmp_path / "p").path)
     try:
         assert isinstance(trainer, TrainsRL) and isinstance(trainer, LogprobsWithGrad)
+        assert isinstance(trainer, DeclaresOptimizer) and trainer.optimizer_spec.name == "sgd"
         assert not isinstance(trainer, RecordsModuleOutputs)
         with pytest.raises(NotImplementedError):
             impl.make_engine(tmp_path)

@@ -1,7 +1,7 @@
 """Several xdist workers on one GPU (fixtures.core.gpu_memory, fixtures.vllm.pool): the budget's
 arithmetic, engines' gpu_memory_utilization clipped to a worker's share, idle engines closed before
 a start or a trainer that would not fit, leased ones parked when a start still runs out, and an
-engine start that runs out of memory recorded as "error: out of memory" with who held what. CPU
+engine start that runs out of memory recorded as "not carried out: out of memory" with who held what. CPU
 only: the engines are the fake worker backend, whose footprint is the KV cache it is asked for."""
 from __future__ import annotations
 
@@ -420,7 +420,7 @@ def test_an_engine_start_out_of_memory_is_an_oom_outcome_with_who_held_what(writ
     doc = json.loads((pt.path / "rep" / "report.json").read_text())
     checks = {c["nodeid"].rpartition("::")[2]: c for c in doc["checks"]}
     oom = checks["test_engine_start_out_of_memory"]
-    assert oom["outcome"] == "error: out of memory", oom
+    assert oom["outcome"] == "not carried out: out of memory", oom
     assert oom["reason"].startswith("EngineOutOfMemory: vLLM worker: engine start raised ValueError: Free memory on "
                                     "device cuda:0 (10.50/139.80 GiB) on startup is less than desired GPU memory")
     (holder,) = oom["memory"]["holders"]
@@ -431,9 +431,10 @@ def test_an_engine_start_out_of_memory_is_an_oom_outcome_with_who_held_what(writ
     assert "budget 0.85 of the device / 4 workers = 29.75 GiB each" in oom["reason"]
     assert checks["test_plain_engine_failure"]["outcome"] == "failed"
     c3 = doc["gates"]["C3"]["models"]["llama"]
-    assert c3["errors"] == {oom["nodeid"]: "error: out of memory"}
+    assert c3["errors"] == {oom["nodeid"]: "not carried out: out of memory"}
+    assert c3["status"] == "fail"     # the plain failure still fails the gate; the OOM alone would not
     md = (pt.path / "rep" / "report.md").read_text()
-    assert "**ERROR: OUT OF MEMORY**" in md and "this worker's vLLM engines" in md
+    assert "**NOT CARRIED OUT: OUT OF MEMORY**" in md and "this worker's vLLM engines" in md
 
 
 def test_breakdown_marks_this_workers_processes(monkeypatch):

@@ -130,7 +130,8 @@ def test_every_case_documents_its_shape():
         assert c.doc and c.op and (c.forward_kernels or c.backward_kernels)
     assert set(G.kernels_checked()) >= {"matmul", "grouped_matmul", "softmax", "softmax_backward", "log_softmax",
                                         "log_softmax_backward", "mean", "sum", "cumsum", "embedding_backward",
-                                        "index_add", "conv1d", "conv1d_backward"}
+                                        "index_add", "conv1d", "conv1d_backward", "layer_norm",
+                                        "layer_norm_backward"}
 
 
 # ---------------------------------------------------------------------------------------------

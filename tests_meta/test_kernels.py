@@ -103,6 +103,79 @@ def test_kernel_gradients_called_directly_under_autograd(a_shape, b_shape):
     torch.testing.assert_close(lb.grad, b64.grad.float())
 
 
+# ---------------------------------------------------------------------------------------------
+# LayerNorm (StarCoder2, Phi-2, GPT-NeoX; OLMo-1 without weight and bias)
+# ---------------------------------------------------------------------------------------------
+def _layer_norm_bw_blocks_at_256(go, x, shape, mean, rstd, w=None, b=None, mask=(True, True, True)):
+    """A planted LayerNorm backward whose two row sums run left to right from 256 rows on."""
+    if x.shape[0] < 256:
+        return K.layer_norm_backward(go, x, shape, mean, rstd, w, b, mask)
+    n = x.shape[-1]
+    g = go if w is None else go * w
+    xhat = (x - mean) * rstd
+    seq = lambda t: sum(t.unbind(-1))[..., None]                       # noqa: E731
+    gi = (g - seq(g) / n - xhat * (seq(g * xhat) / n)) * rstd
+    return (gi, *K.layer_norm_backward(go, x, shape, mean, rstd, w, b, (False, mask[1], mask[2]))[1:])
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-affine"])
+def test_mode_serves_layer_norm_forward_and_backward(affine):
+    """F.layer_norm under the mode: aten.native_layer_norm and its backward served by the layer_norm
+    kernels (weight and bias, or neither), the forward the kernel's bits, the gradients those of
+    float64 LayerNorm."""
+    g = torch.Generator().manual_seed(5)
+    x, go = torch.randn(3, 7, 48, generator=g), torch.randn(3, 7, 48, generator=g)
+    params = [torch.randn(48, generator=g) + 1, torch.randn(48, generator=g)] if affine else []
+    leaves = [t.clone().requires_grad_() for t in [x, *params]]
+    with batch_invariant_mode() as mode:
+        y = F.layer_norm(leaves[0], (48,), *(leaves[1:] or [None, None]))
+        y.backward(go)
+    assert mode.served["layer_norm"] == 1 and mode.served["layer_norm_backward"] == 1, mode.served
+    assert mode.served_ops[("aten.native_layer_norm_backward", "layer_norm_backward")] == 1
+    assert torch.equal(y.detach(), K.layer_norm(x, [48], *(params or [None, None]))[0])
+    ref = [t.double().requires_grad_() for t in [x, *params]]
+    F.layer_norm(ref[0], (48,), *(ref[1:] or [None, None])).backward(go.double())
+    for got, want in zip(leaves, ref):
+        torch.testing.assert_close(got.grad, want.grad.float())
+
+
+def test_layer_norm_kernels_agree_with_stock():
+    """The LayerNorm kernels compute what aten.native_layer_norm and its backward compute (only the
+    order of the sums differs), with and without weight and bias."""
+    g = torch.Generator().manual_seed(6)
+    x, go = torch.randn(33, 50, generator=g) * 3 + 1, torch.randn(33, 50, generator=g)
+    w, b = torch.randn(50, generator=g) + 1, torch.randn(50, generator=g)
+    aten = torch.ops.aten
+    for wb in ((w, b), (None, None)):
+        mask = [True, wb[0] is not None, wb[1] is not None]
+        ours, stock = K.layer_norm(x, [50], *wb, 1e-5), aten.native_layer_norm(x, [50], *wb, 1e-5)
+        for a, s in zip(ours, stock):
+            torch.testing.assert_close(a.reshape(s.shape), s)
+        ours_bw = K.layer_norm_backward(go, x, [50], ours[1], ours[2], *wb, mask)
+        stock_bw = aten.native_layer_norm_backward(go, x, [50], stock[1], stock[2], *wb, mask)
+        for a, s in zip(ours_bw, stock_bw):
+            assert (a is None) == (s is None)
+            if a is not None:
+                torch.testing.assert_close(a, s)
+
+
+def test_layer_norm_rows_are_invariant_and_planted_variants_are_caught():
+    """C2's checks pass the LayerNorm kernels (forward and backward, with and without weight and
+    bias) at every threshold row count, and catch a LayerNorm whose statistics (forward: the
+    planted VARIANTS entry) or row sums (backward) switch to sequential blocks at 256 rows."""
+    assert {c.id for c in checks.cases_for("layer_norm")} == {"layer_norm", "layer_norm-no-affine"}
+    assert {c.id for c in checks.cases_for("layer_norm_backward")} == {"layer_norm_backward",
+                                                                     "layer_norm_backward-no-affine"}
+    assert checks.find_mismatch("layer_norm") is None
+    assert checks.find_mismatch("layer_norm_backward") is None
+    assert K.VARIANT_TARGETS["layer_norm_blocks_at_256_tokens"] == "layer_norm"
+    for kernel, variant in (("layer_norm", K.VARIANTS["layer_norm_blocks_at_256_tokens"]),
+                            ("layer_norm_backward", _layer_norm_bw_blocks_at_256)):
+        err = checks.find_mismatch(kernel, variant)
+        assert err is not None, f"a {kernel} switching to sequential sums at 256 rows passed C2's checks"
+        assert "256-row" in str(err) or "rows: 256" in str(err) or "rows: 257" in str(err), str(err)
+
+
 def test_guard_premise_holds_on_this_cpu():
     """The elementwise guards are built from exp, log1p, erf, tanh and + - * /, assuming their SIMD
     and scalar paths round alike here (they do on AVX2 / AVX-512 with PyTorch's Sleef builds). A

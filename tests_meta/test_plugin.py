@@ -9,20 +9,22 @@ import pytest
 pytest_plugins = ["pytester"]
 
 
+# Each gate's checks are named as its defining checks (fixtures.core.gates), so a gate whose checks
+# pass reads pass; C1's first one fails when asked to ({fail}).
 GATE_SUITE = {
     "tests_c0_inventory/test_a.py": """
 import pytest
 @pytest.mark.C0
-def test_c0(): pass
+def test_no_unmapped_op(): pass
 @pytest.mark.C1
-def test_c1_fails(): assert {fail}
+def test_same_architecture_class(): assert {fail}
 @pytest.mark.C1
-def test_c1_ok(record_metric): record_metric("answer", 42)
+def test_every_layer_kind_kept(record_metric): record_metric("answer", 42)
 """,
     "tests_c5_invariance/test_b.py": """
 import pytest
 @pytest.mark.C2
-def test_c2(): pass
+def test_row_independence(): pass
 @pytest.mark.C3
 def test_c3_skips(): pytest.skip("no CUDA")
 """,
@@ -53,11 +55,11 @@ def test_upto_blocks_later_gates_and_reports(suite):
     assert v["C0"]["status"] == "pass" and v["C1"]["status"] == "fail"
     assert v["C2"]["status"] == "blocked" and v["C2"]["label"] == "blocked by C1 (own checks 1/1 pass)"
     assert v["C3"]["status"] == "blocked" and v["C3"]["label"] == "blocked by C1 (own checks not run)"
-    assert doc["metrics"] == [{"gate": "C1", "model": "*", "nodeid": "tests_c0_inventory/test_a.py::test_c1_ok",
+    assert doc["metrics"] == [{"gate": "C1", "model": "*", "nodeid": "tests_c0_inventory/test_a.py::test_every_layer_kind_kept",
                                "name": "answer", "value": 42}]
     assert (pt.path / "rep" / "junit.xml").is_file()
     md = (pt.path / "rep" / "report.md").read_text()
-    assert "| C1 | [Proxy model](docs/porting-guide.md#c1) | [ ] fail (1/2) |" in md
+    assert "| C1 | [Proxy model](docs/porting-guide.md#c1-proxy-model) | [ ] fail (1/2) |" in md
 
 
 def test_maxfail_skips_a_failed_gates_later_checks_as_blocked(suite):
@@ -222,7 +224,7 @@ def test_corrupt_and_foreign_model_dirs(suite, tmp_path):
 def test_known_failures_file_is_strict_and_reports_stale_ids(suite):
     pt = suite(fail=True)
     (pt.path / "known.txt").write_text(
-        "tests_c0_inventory/test_a.py::test_c1_fails  # tracked upstream: fused norm switches blocks at 256\n"
+        "tests_c0_inventory/test_a.py::test_same_architecture_class  # tracked upstream: fused norm switches blocks at 256\n"
         "tests_c0_inventory/test_a.py::test_gone  # renamed long ago\n")
     res = run(pt, "--xfails", "known.txt", "--report=rep")
     res.assert_outcomes(passed=3, xfailed=1, skipped=1)
@@ -231,7 +233,7 @@ def test_known_failures_file_is_strict_and_reports_stale_ids(suite):
     assert doc["run"]["stale_xfails"] == ["tests_c0_inventory/test_a.py::test_gone"]
     c1 = doc["gates"]["C1"]["models"]["llama"]
     assert c1["status"] == "pass with known failures" and c1["label"] == "pass with known failures (1)"
-    assert c1["known_failures"] == [{"nodeid": "tests_c0_inventory/test_a.py::test_c1_fails",
+    assert c1["known_failures"] == [{"nodeid": "tests_c0_inventory/test_a.py::test_same_architecture_class",
                                      "reason": "tracked upstream: fused norm switches blocks at 256"}]
     assert doc["gates"]["C2"]["models"]["llama"]["status"] == "pass", "a known failure does not block"
     md = (pt.path / "rep" / "report.md").read_text()
@@ -249,7 +251,7 @@ def test_known_failures_file_is_strict_and_reports_stale_ids(suite):
 
 def test_known_failure_without_reason_is_refused(suite):
     pt = suite(fail=True)
-    (pt.path / "known.txt").write_text("tests_c0_inventory/test_a.py::test_c1_fails\n")
+    (pt.path / "known.txt").write_text("tests_c0_inventory/test_a.py::test_same_architecture_class\n")
     res = run(pt, "--xfails", "known.txt")
     assert res.ret == pytest.ExitCode.USAGE_ERROR and "needs a reason" in res.stderr.str()
 

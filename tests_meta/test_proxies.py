@@ -450,3 +450,54 @@ def test_output_multipliers_do_not_flatten_the_proxy_logits(tmp_path):
     # control: bamba has no output factor, its head is drawn as before; the scaled ones spread alike
     for name in ("falcon_h1", "granitemoehybrid"):
         assert 0.5 < spreads[name] / spreads["bamba"] < 2, f"{name} proxy logits spread {spreads}"
+
+
+# ---------------------------------------------------------------------------------------------
+# configs a proxy must handle in one line (#44 item 6) and the structural relations it keeps
+# ---------------------------------------------------------------------------------------------
+FAMILIES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "models", "families")
+
+
+def _family(name: str, **changes):
+    from fixtures.models.reduce import make_config
+    with open(os.path.join(FAMILIES, name, "config.json")) as f:
+        d = json.load(f)
+    d.update(changes)
+    return make_config(d)
+
+
+def test_an_attention_free_hybrid_is_refused_in_one_line():
+    """Bamba with attn_layer_indices = null: every layer Mamba, which transformers' Bamba cannot
+    run; control: the family's own config (three attention layers) runs."""
+    from fixtures.models.admission import check_runs
+    cfg = P.proxy_config(_family("bamba", attn_layer_indices=None), "tiny")
+    with pytest.raises(P.ProxyError) as err:
+        check_runs(cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and "no layer of it is attention" in msg and "get_mask_sizes" in msg, msg
+    check_runs(P.proxy_config(_family("bamba"), "tiny"))
+
+
+def test_dropout_is_zeroed_and_listed():
+    cfg = P.proxy_config(_family("qwen2", attention_dropout=0.1), "tiny")
+    assert cfg.attention_dropout == 0.0 and cfg.onpolicy_zeroed_dropout == {"attention_dropout": 0.1}
+    assert not getattr(P.proxy_config(_family("qwen2"), "tiny"), "onpolicy_zeroed_dropout", None)
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(FAMILIES)))
+def test_tiny_and_shallow_proxies_keep_the_structural_relations(name):
+    """head_dim vs hidden / heads (Qwen3-30B-A3B 128 vs 64, Gemma-2 256 vs 288), tied head,
+    MHA / GQA / MQA, sliding window: the tiny proxy keeps each, so a stack that confuses head_dim
+    with hidden / heads is seen on the CPU lane."""
+    from fixtures.models.reduce import structural_relations
+    real = P.source_config(os.path.join(FAMILIES, name))
+    for size in ("tiny", "shallow"):
+        assert structural_relations(P.proxy_config(real, size)) == structural_relations(real), (name, size)
+
+
+def test_head_dim_relation_is_kept_not_defaulted():
+    """Control: qwen3_moe's head_dim x heads exceeds hidden; its tiny proxy's does too (it was equal)."""
+    from fixtures.models.reduce import structural_relations
+    cfg = P.proxy_config(P.source_config("qwen3_moe"), "tiny")
+    assert cfg.head_dim * cfg.num_attention_heads > cfg.hidden_size
+    assert structural_relations(cfg)["head_dim x heads vs hidden"] == "larger"

@@ -3,16 +3,21 @@ not run / incomplete, per model; a chain under --upto, each gate its own verdict
 kind (n/a, inconclusive, blocked) is data (fixtures.core.outcomes), never read from its reason text."""
 from __future__ import annotations
 
+from fixtures.core.gates import DefiningCheck, Gate
 from fixtures.core.verdicts import ALL_MODELS, KNOWN_FAILURE, CheckResult, all_passed, gate_verdicts, overall
+
+# The rules below are the verdict's own; each gate here is defined by one check, `test_defining`
+# (tests_meta/test_gate_records.py judges the suite's real records).
+RECORDS = {g: Gate(g, g, "", (DefiningCheck(("test_defining",), "the defining comparison"),)) for g in ("C0", "C1", "C2", "C3")}
 
 
 def r(gate, outcome, model="m", reason="", nodeid=None, kind="", **props):
-    return CheckResult(nodeid or f"t::{gate}-{outcome}-{model}-{reason}", gate, model, outcome, reason,
+    return CheckResult(nodeid or f"t::test_defining[{gate}-{outcome}-{model}-{reason}]", gate, model, outcome, reason,
                        kind=kind, properties=tuple(sorted(props.items())))
 
 
 def v(results, models=("m",), **kw):
-    return gate_verdicts(results, models, ("C0", "C1", "C2", "C3"), **kw)
+    return gate_verdicts(results, models, ("C0", "C1", "C2", "C3"), records=RECORDS, **kw)
 
 
 def test_all_pass_then_missing():
@@ -55,10 +60,11 @@ def test_notes_keep_na_and_inconclusive():
 
 def test_the_kind_decides_a_note_not_the_reason_text():
     out = v([r("C0", "passed"), r("C0", "skipped", reason="n/a: typed by hand, no kind"),
-             r("C0", "skipped", reason="no prefix cache", kind="n/a", feature="prefix_cache"),
+             r("C0", "skipped", reason="no prefix cache", nodeid="t::test_prefix_cache", kind="n/a",
+               feature="prefix_cache"),
              r("C0", "skipped", reason="no CUDA")])["m"]
     assert out["C0"].status == "pass"
-    assert out["C0"].notes == ["no prefix cache [t::C0-skipped-m-no prefix cache]"]
+    assert out["C0"].notes == ["no prefix cache [t::test_prefix_cache]"]
 
 
 def test_blocked_label_comes_from_the_blocked_by_property():
@@ -97,8 +103,8 @@ def test_a_failed_gate_blocks_even_checks_that_skipped_for_other_reasons():
 def test_a_chain_keeps_running_and_says_how_a_blocked_gate_did_on_its_own():
     """--upto: every gate's checks ran; a gate after a red one reads 'blocked by C1 (own checks 3/3
     pass)', and one that failed itself reads fail - the whole picture in one run."""
-    res = [r("C0", "passed"), r("C1", "failed")] + [r("C2", "passed", nodeid=f"c2-{i}") for i in range(3)] + \
-        [r("C3", "failed", nodeid="c3-a"), r("C3", "passed", nodeid="c3-b")]
+    res = [r("C0", "passed"), r("C1", "failed")] + [r("C2", "passed", nodeid=f"t::test_defining[c2-{i}]") for i in range(3)] + \
+        [r("C3", "failed", nodeid="t::test_defining[c3-a]"), r("C3", "passed", nodeid="t::test_defining[c3-b]")]
     out = v(res)["m"]
     assert out["C2"].label() == "blocked by C1 (own checks 3/3 pass)" and out["C2"].as_dict()["own_checks"] == "3/3 pass"
     assert out["C3"].status == "fail"
@@ -108,13 +114,13 @@ def test_a_chain_keeps_running_and_says_how_a_blocked_gate_did_on_its_own():
 def test_unchained_gates_get_their_own_verdicts_with_a_note():
     """`pytest -m C2` / `-m "C1 or C3"`: each requested gate its own verdict from its own checks;
     the earlier gates this run did not request are a note, never 'blocked by C0: missing'."""
-    alone = gate_verdicts([r("C2", "passed")], ["m"], ("C2",), chained=False)["m"]
+    alone = gate_verdicts([r("C2", "passed")], ["m"], ("C2",), chained=False, records=RECORDS)["m"]
     assert list(alone) == ["C2"] and alone["C2"].status == "pass"
     assert alone["C2"].notes[0].startswith("earlier gates not run in this run: C0, C1")
-    two = gate_verdicts([r("C1", "failed"), r("C3", "passed")], ["m"], ("C1", "C3"), chained=False)["m"]
+    two = gate_verdicts([r("C1", "failed"), r("C3", "passed")], ["m"], ("C1", "C3"), chained=False, records=RECORDS)["m"]
     assert two["C1"].status == "fail" and two["C3"].status == "pass"
     assert "C0, C2" in two["C3"].notes[0]
-    first = gate_verdicts([r("C0", "passed")], ["m"], ("C0",), chained=False)["m"]
+    first = gate_verdicts([r("C0", "passed")], ["m"], ("C0",), chained=False, records=RECORDS)["m"]
     assert first["C0"].notes == []
 
 
