@@ -166,6 +166,17 @@ def prefix_probes(vocab: int) -> tuple[list[Request], list[Request]]:
     return warm, probes
 
 
+def cold_side(engine_factory, engine, probes):
+    """(completions, request id -> trace, the state) of `probes` from a cold cache: on `engine`
+    after a reset where it ResetsPrefixCache, else on an engine with the prefix cache off."""
+    if isinstance(engine, ResetsPrefixCache):
+        cold, run = run_stated(engine, probes, probes[0].request_id, label="cold start")
+        return cold, dict(engine.last_stats().requests or {}), run.state
+    with engine_factory(EngineSettings(enable_prefix_caching=False)) as uncached:
+        cold = uncached.generate(probes)
+        return cold, dict(uncached.last_stats().requests or {}), "cold (an engine with the prefix cache off)"
+
+
 def test_prefix_cache_hit_equals_cold_start(engine_factory, engine, proxy):
     """The probes run twice on one engine - cold, then deliberately warm after their warm-up
     requests computed the shared prefixes - as the same batch both times; each probe must have
@@ -174,15 +185,7 @@ def test_prefix_cache_hit_equals_cold_start(engine_factory, engine, proxy):
     if not engine.capabilities().prefix_cache:
         not_applicable("no prefix cache", feature="prefix_cache")
     warm, probes = prefix_probes(proxy.config.vocab_size)
-    if isinstance(engine, ResetsPrefixCache):
-        cold, run = run_stated(engine, probes, probes[0].request_id, label="cold start")
-        cold_traces = dict(engine.last_stats().requests or {})
-        cold_state = run.state
-    else:
-        with engine_factory(EngineSettings(enable_prefix_caching=False)) as uncached:
-            cold = uncached.generate(probes)
-            cold_traces = dict(uncached.last_stats().requests or {})
-        cold_state = "cold (an engine with the prefix cache off)"
+    cold, cold_traces, cold_state = cold_side(engine_factory, engine, probes)
     run_stated(engine, warm, warm[0].request_id, label="warm-up")
     warm_state = "warm (deliberately: after the warm-up requests computed the shared prefixes)"
     hit, _ = run_stated(engine, probes, probes[0].request_id, label="hit", state=warm_state)
@@ -243,15 +246,7 @@ def test_prefix_cache_chunk_elsewhere_equals_cold_start(engine_factory, engine, 
     if not engine.capabilities().prefix_cache:
         not_applicable("no prefix cache", feature="prefix_cache")
     warm, probes = chunk_elsewhere_probes(proxy.config.vocab_size, PREFIX_CACHE_BLOCK)
-    if isinstance(engine, ResetsPrefixCache):
-        cold, run = run_stated(engine, probes, probes[0].request_id, label="cold start")
-        cold_traces = dict(engine.last_stats().requests or {})
-        cold_state = run.state
-    else:
-        with engine_factory(EngineSettings(enable_prefix_caching=False)) as uncached:
-            cold = uncached.generate(probes)
-            cold_traces = dict(uncached.last_stats().requests or {})
-        cold_state = "cold (an engine with the prefix cache off)"
+    cold, cold_traces, cold_state = cold_side(engine_factory, engine, probes)
     before, _ = run_stated(engine, warm, warm[0].request_id, label="warm-up")
     seen = [r.prompt_ids + tuple(x.token_ids) for r, c in zip(warm, before) for x in c.samples]
     warm_state = ("warm (deliberately: after the warm-up requests cached the chunk after another prefix and the "
