@@ -277,3 +277,34 @@ def test_what_hypothesis_prints_stays_short(tmp_path):
     assert [len(s) for s in seqs] == [40, 3, 33] and seqs == W.random_sequences(512, (40, 3, 33), seed=9)
     assert type(pickle.loads(pickle.dumps(ids))) is tuple and type(pickle.loads(pickle.dumps(seqs))) is list
     assert tuple(ids) == ids and pickle.loads(pickle.dumps(ids)) == ids
+
+
+def test_a_one_line_finding_is_said_once_per_gate_without_tracebacks(write_suite):
+    """An engine refusing batch-invariant mode for the model (fixtures.vllm.client.VLLMInvarianceRefused,
+    `one_line_failure`) fails every check of the gate the same way: each check's failure is its
+    message, no traceback, and the gate's reason says it once (vLLM 0.26 on nemotron_h: the same
+    traceback in every check before)."""
+    pt = write_suite({"tests_c5_invariance/test_a.py": """
+import pytest
+
+class Refused(RuntimeError):
+    one_line_failure = True
+
+@pytest.fixture
+def engine():
+    raise Refused('vLLM refuses batch-invariant mode for m: "batch_invariant mode is not supported for MAMBA2_ATTN."')
+
+pytestmark = pytest.mark.C3
+def test_needle_alone_equals_needle_in_batch(engine): pass
+def test_same_batch_twice(engine): pass
+"""})
+    res = pt.runpytest_inprocess("-p", "fixtures.plugin.session", "--model", "llama", "-p", "no:cacheprovider",
+                                 "--report=rep", "-m", "C3")
+    res.assert_outcomes(errors=2)
+    out = res.stdout.str()
+    assert "def engine():" not in out and "raise Refused" not in out, out     # no traceback
+    doc = json.loads((pt.path / "rep" / "report.json").read_text())
+    c3 = doc["gates"]["C3"]["models"]["llama"]
+    assert c3["status"] == "fail"
+    assert c3["reason"].endswith('every one: setup failed: Refused: vLLM refuses batch-invariant mode for m: '
+                                 '"batch_invariant mode is not supported for MAMBA2_ATTN."'), c3["reason"]
