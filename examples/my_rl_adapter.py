@@ -17,8 +17,7 @@ of one (no padding, no companions), so a sequence's bits never depend on the oth
 slow. Your trainer will batch; then its kernels must be batch-invariant (C2, C6 say where not).
 
 Try it:
-    python -c "from fixtures.checks.selftest import check_implementation; \\
-               from examples.my_rl_adapter import make; print(check_implementation(make(), 'llama'))"
+    python -m fixtures.checks.selftest --impl examples.my_rl_adapter:make --model llama
     pytest -n 2 --impl examples.my_rl_adapter:make --model=llama --upto C9
 """
 from __future__ import annotations

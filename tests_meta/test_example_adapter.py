@@ -91,3 +91,19 @@ def test_the_gates_run_on_the_example(tmp_path):
     for gate in ("C6", "C8"):
         n = verdicts[gate]["counts"].get("passed", 0)
         assert n > 0 and verdicts[gate]["label"] == f"blocked by C2 (own checks {n}/{n} pass)", verdicts[gate]["label"]
+
+
+def test_the_contract_self_test_is_a_command():
+    """`python -m fixtures.checks.selftest --impl X --model M`: what was checked on stdout, exit 0;
+    a bad --impl or --model is one line and exit 4 (#45: it was reachable only through python -c)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fixtures.checks.selftest", *a], cwd=ROOT, env=env,
+                                    capture_output=True, text=True, timeout=300)
+    ok = run("--impl", "examples.my_rl_adapter:make", "--model", "llama")
+    assert ok.returncode == 0 and "trainer capabilities: TrainsRL, LogprobsWithGrad" in ok.stdout, ok.stderr[-2000:]
+    for args, needle in ((("--impl", "nope:make", "--model", "llama"), "cannot import module 'nope'"),
+                         (("--impl", "reference", "--model", "/nonexistent"), "no such directory")):
+        bad = run(*args)
+        errors = [ln for ln in bad.stderr.splitlines() if ln.startswith("ERROR:")]
+        assert bad.returncode == 4 and len(errors) == 1 and needle in errors[0], bad.stderr[-2000:]
+        assert "Traceback" not in bad.stderr
