@@ -52,15 +52,13 @@ def test_no_dropout_in_training(proxy, real_config):
     """Train-mode dropout draws a random mask per forward: no trainer logprob could equal the
     engine's. The proxy zeroes every dropout probability of the real config and says which; a
     checkpoint run (--proxy checkpoint) must have none (set them to 0 in your trainer too)."""
-    from fixtures.models.admission import is_dropout_field
-    live = {k: v for k, v in proxy.config.to_dict().items()
-            if is_dropout_field(k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v}
+    from fixtures.models.admission import live_dropout
+    live = live_dropout(proxy.config.to_dict())
     assert not live, (f"the {proxy.size} model trains with dropout {live}: train-mode dropout breaks parity "
                       "(set these to 0 in the config and in your trainer)")
     zeroed = getattr(proxy.config, "onpolicy_zeroed_dropout", None) or {}
-    real = {k: v for k, v in real_config.to_dict().items()
-            if is_dropout_field(k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v}
-    assert zeroed == {k: float(v) for k, v in real.items()}, f"zeroed {zeroed}, real config's dropout {real}"
+    real = live_dropout(real_config.to_dict())
+    assert zeroed == real, f"zeroed {zeroed}, real config's dropout {real}"
     if zeroed:
         print(f"the proxy zeroed the real config's dropout {zeroed}: your trainer must train without it too")
 

@@ -11,6 +11,8 @@ that needs no other settings; each other configuration (a chunking budget, a sma
 one engine, reused for all of its examples."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, note, strategies as st
@@ -221,15 +223,7 @@ def chunk_elsewhere_probes(vocab: int, block: int) -> tuple[list[Request], list[
 
 def _shared_prefix(prompt, sequences) -> int:
     """The most leading tokens `prompt` shares with any of `sequences`."""
-    best = 0
-    for seq in sequences:
-        n = 0
-        for x, y in zip(prompt, seq):
-            if x != y:
-                break
-            n += 1
-        best = max(best, n)
-    return best
+    return max((len(os.path.commonprefix([list(prompt), list(seq)])) for seq in sequences), default=0)
 
 
 def test_prefix_cache_chunk_elsewhere_equals_cold_start(engine_factory, engine, proxy):
@@ -253,8 +247,9 @@ def test_prefix_cache_chunk_elsewhere_equals_cold_start(engine_factory, engine, 
                   "probes' other prefixes)")
     hit, _ = run_stated(engine, probes, probes[0].request_id, label="warm", state=warm_state)
     hit_traces = dict(engine.last_stats().requests or {})
+    shared_with_seen = {r.request_id: _shared_prefix(r.prompt_ids, seen) for r in probes}
     for r, h, c in zip(probes, hit, cold):
-        shared = _shared_prefix(r.prompt_ids, seen)
+        shared = shared_with_seen[r.request_id]
         sides = (StatedRun(f"warm ({h.num_cached_tokens} cached tokens; {shared} shared with a warm-up sequence)",
                            warm_state, hit_traces.get(r.request_id)),
                  StatedRun("cold start", cold_state, cold_traces.get(r.request_id)))
@@ -264,7 +259,7 @@ def test_prefix_cache_chunk_elsewhere_equals_cold_start(engine_factory, engine, 
             f"{r.request_id}: read {h.num_cached_tokens} cached prompt tokens but shares only {shared} leading tokens "
             f"with any sequence computed before: a block was served after another prefix or at another offset")
     read = [(r.request_id, h.num_cached_tokens) for r, h in zip(probes, hit)
-            if _shared_prefix(r.prompt_ids, seen) >= PREFIX_CACHE_BLOCK]
+            if shared_with_seen[r.request_id] >= PREFIX_CACHE_BLOCK]
     if read and not any(n for _, n in read):
         # no probe read the cache (an engine of larger blocks): nothing was served elsewhere to compare
         not_carried_out(f"the declared prefix cache served none of the probes that share a cached "

@@ -151,15 +151,7 @@ def test_samples_of_a_prompt_whatever_their_step_mates(engine_factory, engine, p
         with engine_factory(EngineSettings(max_num_seqs=seqs)) as e:
             got, got_runs, stats = run_cold(e, f"max_num_seqs={seqs}", reqs)
         assert stats.max_running <= seqs, f"max_num_seqs={seqs} not honoured: {stats}"
-    by_id = {c.request_id: c for c in got}
-    for r, c in zip(reqs, want):
-        for i, (x, y) in enumerate(zip(by_id[r.request_id].samples, c.samples)):
-            sides = (got_runs[r.request_id], want_runs[r.request_id])
-            assert x.token_ids == y.token_ids, (
-                f"{r.request_id} sample {i}: tokens {x.token_ids} ({sides[0].label}) vs {y.token_ids} "
-                f"({sides[1].label}): a sample's tokens depend on which siblings shared its steps")
-            assert_bitwise(x.logprobs, y.logprobs, what=f"{r.request_id} sample {i} sampled-token logprobs",
-                           lhs_name=sides[0].label, rhs_name=sides[1].label, **state_context(*sides))
+    assert_runs_equal(reqs, got, want, got_runs, want_runs)       # every sample: token ids and logprobs
 
 
 def test_requests_finishing_at_different_steps(engine, proxy):

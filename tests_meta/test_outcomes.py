@@ -190,7 +190,7 @@ GATES = ("C0", "C2", "C7")
 
 def _verdicts(results, models=("llama", "qwen3", "mamba2")):
     from fixtures.core.gates import DefiningCheck, Gate
-    records = {g: Gate(g, g, "", (DefiningCheck(("test_ok",), "the defining comparison"),)) for g in GATES}
+    records = {g: Gate(g, g, "", (DefiningCheck(("test_ok",)),)) for g in GATES}
     return gate_verdicts(results, models, GATES, records=records)
 
 

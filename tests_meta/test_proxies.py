@@ -501,3 +501,13 @@ def test_head_dim_relation_is_kept_not_defaulted():
     cfg = P.proxy_config(P.source_config("qwen3_moe"), "tiny")
     assert cfg.head_dim * cfg.num_attention_heads > cfg.hidden_size
     assert structural_relations(cfg)["head_dim x heads vs hidden"] == "larger"
+
+
+def test_structural_relations_see_a_defaulted_head_dim():
+    """Control of C1's test_structural_relations_kept: qwen3_moe's tiny proxy with head_dim set back
+    to hidden / heads (what the tiny rule did before) no longer has the real relation."""
+    from fixtures.models.reduce import make_config, structural_relations
+    real = P.source_config("qwen3_moe")
+    d = P.proxy_config(real, "tiny").to_dict()
+    d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+    assert structural_relations(make_config(d)) != structural_relations(real)

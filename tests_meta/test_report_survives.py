@@ -333,7 +333,7 @@ def test_verdict_rules_for_crashes_oom_and_unfinished_checks():
 
     def r(gate, outcome, name, reason=""):
         return CheckResult(f"t::{name}", gate, "m", outcome, reason)
-    records = {g: Gate(g, g, "", (DefiningCheck(("a", "c", "f", "g"), "the defining comparison"),)) for g in ("C0", "C1", "C2", "C3")}
+    records = {g: Gate(g, g, "", (DefiningCheck(("a", "c", "f", "g")),)) for g in ("C0", "C1", "C2", "C3")}
     out = gate_verdicts([r("C0", "passed", "a"), r("C0", "not run", "b", "never ran: interrupted (signal 15)"),
                          r("C1", "passed", "c"), r("C1", "crashed", "d", "worker gw1 crashed (signal 9) while running it"),
                          r("C1", "failed", "e", "call failed"),

@@ -8,7 +8,7 @@ from fixtures.core.verdicts import ALL_MODELS, KNOWN_FAILURE, CheckResult, all_p
 
 # The rules below are the verdict's own; each gate here is defined by one check, `test_defining`
 # (tests_meta/test_gate_records.py judges the suite's real records).
-RECORDS = {g: Gate(g, g, "", (DefiningCheck(("test_defining",), "the defining comparison"),)) for g in ("C0", "C1", "C2", "C3")}
+RECORDS = {g: Gate(g, g, "", (DefiningCheck(("test_defining",)),)) for g in ("C0", "C1", "C2", "C3")}
 
 
 def r(gate, outcome, model="m", reason="", nodeid=None, kind="", **props):
