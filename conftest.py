@@ -14,8 +14,8 @@ import pytest
 # The plugin's hook modules (fixtures/plugin/session.py says what each does); --plant-fault and
 # --stock-gemm come from fixtures.plugin.faults.
 pytest_plugins = ["fixtures.plugin.session", "fixtures.plugin.options", "fixtures.plugin.collection",
-                  "fixtures.plugin.results", "fixtures.plugin.faults", "fixtures.plugin.scheduling",
-                  "fixtures.plugin.exclusive", "fixtures.plugin.activity"]
+                  "fixtures.plugin.results", "fixtures.plugin.faults", "fixtures.runtime.scheduling",
+                  "fixtures.runtime.exclusive", "fixtures.runtime.activity"]
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +29,7 @@ def impl(pytestconfig):
     ChecksEngineKernels; a check that needs one the implementation lacks is n/a, naming it.
     ConfiguresProcess: the plugin set its variables in this process before this fixture ran.
     """
-    from fixtures.plugin.state import STATE
+    from fixtures.runtime.run_state import STATE
     return pytestconfig.stash[STATE]["impl"]
 
 
@@ -51,7 +51,7 @@ def proxy(model_name, pytestconfig, tmp_path_factory, impl):
     from `path`."""
     from fixtures.models.checkpoint import checkpoint_spec
     from fixtures.models.proxies import build_engine_dummy, build_proxy
-    from fixtures.plugin.state import model_id
+    from fixtures.plugin.collection import model_id
     if pytestconfig.getoption("--proxy") == "checkpoint":     # the user's own weights, as they are
         return checkpoint_spec(model_name)
     dummy = pytestconfig.getoption("--proxy-weights") == "engine-dummy"
@@ -138,7 +138,7 @@ def inventory(trainer, proxy, model_name, impl, artifact_dir):
     which kernel served each op; written into the report. Gates C0 and C8 read it."""
     from fixtures.checks.inventory import take_inventory
     from fixtures.core.contract import HasKernelMode, RunsEngineKernels
-    from fixtures.plugin.state import model_id
+    from fixtures.plugin.collection import model_id
     if isinstance(trainer, RunsEngineKernels):
         from fixtures.core.outcomes import not_applicable
         not_applicable("the trainer is RunsEngineKernels: it runs the engine's kernels outside torch dispatch, so "
@@ -156,13 +156,14 @@ def inventory(trainer, proxy, model_name, impl, artifact_dir):
 def engine_kernel_inventory(engine_factory, proxy, model_name, artifact_dir, pytestconfig):
     """The engine's own kernels (an engine that is InventoriesKernels, i.e. vLLM): every CUDA
     kernel launched for a prefill + decode + sampling workload
-    (fixtures.checks.workloads.kernel_inventory_workload), with the op, module class and phase that
+    (fixtures.models.seeded_inputs.kernel_inventory_workload), with the op, module class and phase that
     launched it; written into the report. C0 maps each kernel; C2 checks the cases the kernels map
     to. Skips "n/a" for other engines (the reference engine runs the trainer's kernels)."""
     import json
-    from fixtures.checks.workloads import kernel_inventory_workload
+    from fixtures.models.seeded_inputs import kernel_inventory_workload
     from fixtures.core.contract import EngineSettings, InventoriesKernels
-    from fixtures.plugin.state import model_id, once_per_run
+    from fixtures.plugin.collection import model_id
+    from fixtures.runtime.worker_files import once_per_run
     name = f"engine-kernels-{model_id(model_name)}"
 
     def inventory():
@@ -179,6 +180,6 @@ def engine_kernel_inventory(engine_factory, proxy, model_name, artifact_dir, pyt
         (artifact_dir / f"{name}.json").write_text(json.dumps(inv.as_dict(), indent=1, sort_keys=True))
         (artifact_dir / f"{name}.md").write_text(inv.markdown())
         return inv
-    from fixtures.plugin.exclusive import answer_room_requests
+    from fixtures.runtime.exclusive import answer_room_requests
     # one engine and profile for all xdist workers; a waiting one answers the computing one's room request
     return once_per_run(pytestconfig, name, inventory, while_waiting=lambda: answer_room_requests(pytestconfig))

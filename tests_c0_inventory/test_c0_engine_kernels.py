@@ -16,10 +16,10 @@ import re
 
 import pytest
 
-from fixtures.checks.workloads import kernel_inventory_workload
+from fixtures.models.seeded_inputs import kernel_inventory_workload
 from fixtures.core.contract import ChecksEngineKernels, RunsEngineKernels
 from fixtures.core.outcomes import not_applicable
-from fixtures.plugin.scheduling import ENGINE_KERNEL_SETUP
+from fixtures.runtime.scheduling import ENGINE_KERNEL_SETUP
 
 pytestmark = [pytest.mark.C0, pytest.mark.shared_setup(ENGINE_KERNEL_SETUP)]
 
@@ -96,7 +96,7 @@ def test_trainer_forward_runs_the_engine_kernels(engine_kernels, trainer, impl, 
     if not isinstance(impl, ChecksEngineKernels):
         not_applicable(f"the implementation is not ChecksEngineKernels ({impl.name} cannot say which of the "
                        "trainer's kernels are reductions the engine must launch too)", capability=ChecksEngineKernels)
-    from fixtures.plugin.state import model_id
+    from fixtures.plugin.collection import model_id
     inv = trainer.kernel_inventory([r.prompt_ids for r in kernel_inventory_workload(proxy.config.vocab_size)],
                                    tmp_path / "trainer.trace.json")
     (artifact_dir / f"trainer-kernels-{model_id(model_name)}.md").write_text(inv.markdown())

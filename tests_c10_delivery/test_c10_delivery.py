@@ -3,7 +3,7 @@ workload (fixtures.checks.workloads.RolloutWorkload: --rollout-workload, else th
 implementation's device - 256 prompts x 256 in x 128 out x 4 samples on an accelerator, a few
 seconds' worth on the CPU), after a warm-up, with CUDA graphs on where the engine has them, timed
 by the engine's own clock where it has one (fixtures.checks.throughput), with no other xdist worker
-running a check meanwhile (fixtures.plugin.exclusive). The ratio and what was
+running a check meanwhile (fixtures.runtime.exclusive). The ratio and what was
 measured go into the report's metrics; --min-throughput-ratio R makes the ratio a threshold (none
 by default: then the check is that the measurement is sound). C10 passes only when C0-C9 passed
 in the same run - the verdict rule blocks it otherwise - and the run's report carries the table,
@@ -16,7 +16,7 @@ from fixtures.checks.throughput import (check_ratio, parse_min_throughput_ratio,
                                         time_rollout, warm_up)
 from fixtures.checks.workloads import rollout_workload
 from fixtures.core.contract import EngineSettings
-from fixtures.plugin.exclusive import alone
+from fixtures.runtime.exclusive import alone
 
 pytestmark = pytest.mark.C10
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.C10
 def test_throughput_ratio(engine_factory, proxy, impl, pytestconfig, record_metric):
     """Both engines started first; then the device's lock taken, both warm-ups run while the other
     workers' running checks end, and, with the device to this check alone (no other xdist worker
-    runs a check meanwhile: fixtures.plugin.exclusive), each side's timed runs."""
+    runs a check meanwhile: fixtures.runtime.exclusive), each side's timed runs."""
     workload = rollout_workload(pytestconfig.getoption("--rollout-workload"), impl.device())
     minimum = parse_min_throughput_ratio(pytestconfig.getoption("--min-throughput-ratio"))
     vocab = proxy.config.vocab_size

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.core import costs
+from fixtures.runtime import costs
 from fixtures.core.comparison import BitwiseMismatch, expecting_mismatch
 from fixtures.core.contract import ResetsPrefixCache, TrainsRL
 from fixtures.core.outcomes import not_applicable, not_available, not_carried_out

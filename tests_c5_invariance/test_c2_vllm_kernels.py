@@ -30,8 +30,8 @@ from fixtures.checks import workloads as W
 from fixtures.core.comparison import BitwiseMismatch, assert_bitwise
 from fixtures.core.contract import ChecksEngineKernels
 from fixtures.core.outcomes import must_fire, not_applicable
-from fixtures.plugin.scheduling import ENGINE_KERNEL_SETUP
-from fixtures.plugin.state import STATE
+from fixtures.runtime.scheduling import ENGINE_KERNEL_SETUP
+from fixtures.runtime.run_state import STATE
 
 pytestmark = [pytest.mark.C2, pytest.mark.gpu, pytest.mark.vllm, pytest.mark.shared_setup(ENGINE_KERNEL_SETUP)]
 

@@ -31,7 +31,7 @@ from fixtures.checks import grad_checks as G
 from fixtures.checks.declared_ops import DECLARED_OPS, PLANTED_REFERENCES
 from fixtures.checks.workloads import random_sequences
 from fixtures.checks.grad_checks import GradShape
-from fixtures.core import gpu_memory
+from fixtures.runtime import gpu_memory
 from fixtures.core.contract import DeclaresBackwards, HasKernelMode, LogprobsWithGrad, RunsEngineKernels
 from fixtures.core.outcomes import not_applicable
 

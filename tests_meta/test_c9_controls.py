@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fixtures.checks.workloads import parity_workload
-from fixtures.core.costs import Phases
+from fixtures.runtime.costs import Phases
 from fixtures.models.proxies import build_proxy
 from tests_c10_delivery import test_c9_rl as C9
 

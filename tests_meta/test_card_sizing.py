@@ -1,4 +1,4 @@
-"""Card sizing (fixtures.core.card_sizing): at most the xdist workers whose estimated peak fits the
+"""Card sizing (fixtures.runtime.card_sizing): at most the xdist workers whose estimated peak fits the
 card the run finds, said in the header. Fake devices: an H100 80 GB and an H200 141 GB."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from fixtures.core import card_sizing as S
+from fixtures.runtime import card_sizing as S
 from fixtures.models.footprint import footprint
 from fixtures.models.proxies import proxy_config, source_config
 

@@ -1,4 +1,4 @@
-"""The device to one check alone (fixtures.plugin.exclusive), in real `-n 3` runs: no other worker's
+"""The device to one check alone (fixtures.runtime.exclusive), in real `-n 3` runs: no other worker's
 check overlaps the block a check holds the device for, and the negative control - the same timed
 block without asking - is seen to overlap. CPU only."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytest_plugins = ["pytester"]
 
 SUITE = """
 import json, os, time, pytest
-from fixtures.plugin.exclusive import alone
+from fixtures.runtime.exclusive import alone
 
 def _log(name, t0, t1, extra=None):
     with open(os.path.join({out!r}, name + ".json"), "w") as f:
@@ -90,9 +90,9 @@ def test_a_worker_still_busy_after_the_wait_is_said(tmp_path, monkeypatch):
     """A neighbour whose check does not end within the wait: the block goes on and says it was
     shared, naming the worker (C10 then refuses a --min-throughput-ratio verdict). The marker of a
     worker whose process is gone is not waited for."""
-    from fixtures.plugin import exclusive
+    from fixtures.runtime import exclusive
 
-    from fixtures.plugin.state import STATE
+    from fixtures.runtime.run_state import STATE
 
     class Config:                        # an xdist worker's config, as far as the module reads it
         workerinput = {"workerid": "gw0"}
@@ -122,15 +122,15 @@ def test_a_worker_still_busy_after_the_wait_is_said(tmp_path, monkeypatch):
 
 
 def test_a_room_request_is_answered_once_by_each_live_neighbour_and_lasts_for_its_check(tmp_path, monkeypatch):
-    """DeviceRoom (fixtures.plugin.exclusive): the asking worker holds the device's lock marked as
+    """DeviceRoom (fixtures.runtime.exclusive): the asking worker holds the device's lock marked as
     a room request; a live neighbour that meets it gives up its memory once (its holders'
     release_for_neighbour) and says so; a crashed worker's marker is not waited for; a timed block
     inside the same check does not wait for its own lock; the lock goes when the check ends."""
     import weakref
 
-    from fixtures.core import gpu_memory
-    from fixtures.plugin import exclusive
-    from fixtures.plugin.state import STATE
+    from fixtures.runtime import gpu_memory
+    from fixtures.runtime import exclusive
+    from fixtures.runtime.run_state import STATE
 
     def config(wid):
         class Config:                    # an xdist worker's config, as far as the module reads it

@@ -1,4 +1,4 @@
-"""Several xdist workers on one GPU (fixtures.core.gpu_memory, fixtures.vllm.pool): the budget's
+"""Several xdist workers on one GPU (fixtures.runtime.gpu_memory, fixtures.vllm.pool): the budget's
 arithmetic, engines' gpu_memory_utilization clipped to a worker's share, idle engines closed before
 a start or a trainer that would not fit, leased ones parked when a start still runs out, and an
 engine start that runs out of memory recorded as "not carried out: out of memory" with who held what. CPU
@@ -12,7 +12,8 @@ import warnings
 
 import pytest
 
-from fixtures.core import environment, gpu_memory
+from fixtures.core import environment
+from fixtures.runtime import gpu_memory
 from fixtures.core.contract import EngineSettings
 from fixtures.vllm import client as vclient
 from fixtures.vllm import implementation as vimpl
@@ -187,7 +188,7 @@ def test_a_start_out_of_memory_closes_idle_then_parks_leased_engines_and_says_so
             pool.acquire("oom", lambda: tried.append(1))
         assert not tried
         # the next check restarts the parked engine at its lease's first call, cold, and says why
-        from fixtures.core import costs
+        from fixtures.runtime import costs
         costs.drain()
         monkeypatch.setitem(environment._current, "nodeid", "tests_x.py::test_next")
         assert kept.engine.alive and kept.engine.proc is not kept_proc and not kept.parked
@@ -227,7 +228,7 @@ def test_two_workers_each_holding_a_session_engine_both_get_their_second(model_d
                 assert chunked.engine.alive and session.parked
             assert session.engine.alive and list(pool.entries) == ["session"]
             assert pool.parked == 1
-        from fixtures.core import costs                # where workers share the GPU: one wait, then parking
+        from fixtures.runtime import costs                # where workers share the GPU: one wait, then parking
         costs.drain()
         shared = vpool.EnginePool(max_idle=2, oom_waits=(0.01, 0.02))
         pools.append(shared)
@@ -290,7 +291,7 @@ def test_a_check_needing_two_engines_gets_the_other_workers_memory(model_dir, tm
     session engine, then (for that engine's restart) holds the device while the other worker gives
     up its engine, and both of its engines are live together. Negative control: with no broker the
     last resort parks the check's own second engine, which then restarts at every call."""
-    from fixtures.core import costs
+    from fixtures.runtime import costs
     _shared_device(tmp_path, monkeypatch, engines=2)
     here = "tests_x.py::test_two_engines"
     pools = [vpool.EnginePool(max_idle=0, oom_waits=(0.01,)) for _ in range(2)]
@@ -349,7 +350,7 @@ def test_a_start_out_of_memory_waits_for_other_workers_memory(model_dir):
     the other workers' transient peaks. With nothing of its own left to close, the pool waits and
     tries again (oom_waits; VLLMImplementation sets 10, 20, 30 s where workers share the GPU), and
     says so in the check's costs; when every wait is spent the error says how long it waited."""
-    from fixtures.core import costs
+    from fixtures.runtime import costs
     costs.drain()
     attempts = []
 
@@ -379,7 +380,7 @@ def test_an_engine_error_that_is_not_memory_stays_a_worker_error(model_dir):
 
 OOM_SUITE = """
 import json, pytest
-from fixtures.core import gpu_memory
+from fixtures.runtime import gpu_memory
 from fixtures.core.contract import EngineSettings
 from fixtures.vllm import client, pool as vpool
 
@@ -508,7 +509,7 @@ def test_a_trainer_makes_room_first_and_retries_once_after_an_oom(model_dir, mon
 
 FAULT_SUITE = """
 import pytest
-from fixtures.core import gpu_memory
+from fixtures.runtime import gpu_memory
 
 @pytest.mark.C7
 def test_launches_the_faulting_kernel(monkeypatch):
@@ -578,7 +579,7 @@ def test_each_checks_own_gpu_peak_reaches_the_report(write_suite, monkeypatch):
 
 ROOM_SUITE = """
 import json, pytest
-from fixtures.core import gpu_memory
+from fixtures.runtime import gpu_memory
 from fixtures.core.contract import EngineSettings
 from fixtures.vllm import client, pool as vpool
 
@@ -630,7 +631,7 @@ def test_two_xdist_workers_on_a_device_of_two_engines_each_get_both_engines_of_t
     """The H200 case (-n 2, a 30B model: two engines fill the GPU) in real xdist workers sharing a
     fake device that fits two engines: each worker holds its session engine, and every check needs
     it and one engine of its own at once. The worker whose start runs out holds the device
-    (fixtures.plugin.exclusive.DeviceRoom), the other gives up its engines at its next check
+    (fixtures.runtime.exclusive.DeviceRoom), the other gives up its engines at its next check
     boundary, and every check passes with both engines live. Negative control: without the
     broker the checks fail (their engines swap, or a start runs out)."""
     pytest.importorskip("xdist")

@@ -1,4 +1,4 @@
-"""once_per_run (fixtures.plugin.state): a value the run's xdist workers share, computed by the first
+"""once_per_run (fixtures.runtime.worker_files): a value the run's xdist workers share, computed by the first
 that asks (C0's engine kernel inventory: an engine start and a profiled workload each worker used to
 repeat). Threads stand in for the workers: the claim is a file in the shared state directory."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import types
 
 import pytest
 
-from fixtures.plugin.state import STATE, once_per_run
+from fixtures.runtime.run_state import STATE
+from fixtures.runtime.worker_files import once_per_run
 
 
 def _worker_config(state_dir, is_worker: bool = True):

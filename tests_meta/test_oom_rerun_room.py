@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.core import gpu_memory
+from fixtures.runtime import gpu_memory
 
 GIB = 1 << 30
 OOM = "CUDA out of memory. Tried to allocate 1.16 GiB. GPU 0 has a total capacity of 139.80 GiB"

@@ -58,7 +58,7 @@ def test_time_section_says_where_engine_starts_went():
 def test_time_section_says_what_a_rare_cost_was_about():
     """A cost seen at most costs.WHATS_KEPT times in the run prints what it was about (where C8's
     reference ran, which worker variables were new); a frequent one (engine starts) does not."""
-    from fixtures.core import costs
+    from fixtures.runtime import costs
     from fixtures.plugin.report import time_section
     ref = costs.summarise([{"kind": "C8 reference gradients", "s": 33.0, "what": "float32 on cuda:0 (float64 does not fit)"}])
     starts = costs.summarise([{"kind": "engine start", "s": 1.0, "what": f"engine {i}"} for i in range(5)])

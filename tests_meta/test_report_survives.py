@@ -100,7 +100,7 @@ import time, pytest
 def test_no_unmapped_op(): pass     # C0's defining check (fixtures.core.gates): C0 can pass
 @pytest.mark.C1
 def test_c1_slow():
-    from fixtures.core import costs
+    from fixtures.runtime import costs
     with costs.doing("waiting for a planted hold"):
         open({marker!r}, "w").write("running")
         time.sleep(60)
@@ -137,7 +137,7 @@ def test_b_sigterm_to_the_controller_leaves_an_interrupted_report(suite, xdist):
     assert run["exitstatus"] == proc.returncode != 0
     assert checks["test_no_unmapped_op"]["outcome"] == "passed"
     assert checks["test_c1_slow"]["outcome"] == "interrupted"
-    # and what it was in: its phase, and the suite's wait it was inside (fixtures.plugin.activity)
+    # and what it was in: its phase, and the suite's wait it was inside (fixtures.runtime.activity)
     assert re.fullmatch(r"was running when the run stopped: interrupted \(signal 15\); it was in its call for "
                         r"\d+ s: waiting for a planted hold \(\d+ s\)", checks["test_c1_slow"]["reason"]), \
         checks["test_c1_slow"]["reason"]
@@ -252,7 +252,7 @@ def test_c_out_of_memory_is_not_carried_out_not_a_check_failure(suite, xdist, mo
 
 RERUN = """
 import pytest, torch
-from fixtures.core import gpu_memory
+from fixtures.runtime import gpu_memory
 
 class IdleEngines:
     # a worker's pool as gpu_memory sees it: 3 GiB kept idle until asked to free everything
@@ -319,7 +319,7 @@ def test_a_check_out_of_cuda_memory_is_rerun_once_after_freeing_idle_engines(sui
 
 
 def test_oom_message_sizes_are_read():
-    from fixtures.core import gpu_memory
+    from fixtures.runtime import gpu_memory
     assert gpu_memory.requested_bytes("CUDA out of memory. Tried to allocate 2.27 GiB. GPU 0 ...") == int(2.27 * (1 << 30))
     assert gpu_memory.requested_bytes("Tried to allocate 512.00 MiB") == 512 << 20
     assert gpu_memory.requested_bytes("out of memory") is None
@@ -360,7 +360,7 @@ def test_b_sigterm_seen_through_xdists_queue_lock_is_one_line(capsys):
     our signal an internal error is one line, and the exit status is INTERRUPTED."""
     import types
     from fixtures.plugin.results import ReportCollector
-    from fixtures.plugin.state import STATE
+    from fixtures.runtime.run_state import STATE
     config = types.SimpleNamespace(stash={STATE: {"signalled": 15}})
     collector = ReportCollector(config)
     try:

@@ -1,4 +1,4 @@
-"""The xdist scheduler by engine configuration (fixtures.plugin.scheduling): checks that declare
+"""The xdist scheduler by engine configuration (fixtures.runtime.scheduling): checks that declare
 the same engine configuration run on one worker, nothing runs twice or never, and a worker that
 would otherwise idle still takes another worker's checks at the end."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from fixtures.plugin import scheduling as S
+from fixtures.runtime import scheduling as S
 
 pytest_plugins = ["pytester"]
 

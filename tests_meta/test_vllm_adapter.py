@@ -461,7 +461,7 @@ def test_default_kv_cache_is_sized_by_the_model(tmp_path):
 
 
 def test_engines_are_reused_per_configuration(model_dir, monkeypatch, tmp_path):
-    from fixtures.core import costs
+    from fixtures.runtime import costs
     monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
     costs.drain()
     impl = vimpl.VLLMImplementation(fake="echo", max_idle=1)
@@ -637,7 +637,7 @@ def test_the_workers_environment_is_the_configured_one_not_what_checks_set_later
     TEARDOWN_CUPTI=0 here when a check profiles) does not reach the workers: the configured
     spare still serves the next start. Control: the worker environment of the process as it is
     now is another one, and a pool asked for it says which variable differs (its costs)."""
-    from fixtures.core import costs
+    from fixtures.runtime import costs
     monkeypatch.setenv("CONFORMANCE_VLLM_LOG_DIR", str(tmp_path))
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
     impl = vimpl.VLLMImplementation(fake="echo", max_idle=0)

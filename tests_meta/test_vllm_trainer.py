@@ -130,7 +130,7 @@ def test_c8_float64_side_makes_room_on_the_device_and_keeps_its_gradients_off_it
     to make room for it, and its kept gradients (a session-long fixture) go to the CPU, float32
     for a bf16 trainer."""
     from fixtures.checks import grad_model
-    from fixtures.core import gpu_memory
+    from fixtures.runtime import gpu_memory
     module = torch.nn.Linear(2000, 2000, dtype=torch.bfloat16, device="meta")    # no storage: a stand-in device
     need = (2000 * 2000 + 2000) * (8 * 2 + 2 * 2) + (1 << 30)
     rooms = []
@@ -147,7 +147,7 @@ def test_c8_reference_is_float32_on_the_device_when_float64_does_not_fit_a_16_bi
     a float32 trainer never gets a float32 reference (float64 on the CPU); nor does one where
     neither fits."""
     from fixtures.checks import grad_model
-    from fixtures.core import gpu_memory
+    from fixtures.runtime import gpu_memory
     n = 2000 * 2000 + 2000
     need32 = n * (8 + 4) + (1 << 30)       # float32 copy and gradient, the bf16 stock run's, 1 GiB
     meta, cpu = torch.device("meta"), torch.device("cpu")
@@ -206,7 +206,7 @@ def test_c8_float64_side_moves_to_the_cpu_when_the_share_is_short(proxy_dir, mon
     import contextlib
     from fixtures.checks import grad_checks as G
     from fixtures.checks import grad_model
-    from fixtures.core import gpu_memory
+    from fixtures.runtime import gpu_memory
     monkeypatch.setattr(gpu_memory, "fits_this_worker", lambda device, need: False)
     trainer = VT.EngineKernelTrainer(proxy_dir, VO.ReferenceOps, dtype=dtype, device="cpu")
     module = trainer.module()

@@ -21,7 +21,7 @@ import torch
 from fixtures.checks.weight_push import checkpoint_weights, moved_weights
 from fixtures.checks.workloads import PARITY_CPU, random_ids
 from fixtures.core.comparison import BitwiseMismatch
-from fixtures.core.costs import Phases
+from fixtures.runtime.costs import Phases
 from fixtures.core.contract import EngineSettings, Request, SamplingParams
 from fixtures.faults.catalog import FAULTS
 from fixtures.models.proxies import build_proxy
