@@ -30,7 +30,7 @@ def impl(pytestconfig):
     ConfiguresProcess: the plugin set its variables in this process before this fixture ran.
     """
     from fixtures.runtime.run_state import STATE
-    return pytestconfig.stash[STATE]["impl"]
+    return pytestconfig.stash[STATE].impl
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,7 @@ def pytest_generate_tests(metafunc):
     name = metafunc.definition.originalname
     if name not in ("test_vllm_kernel_rows", "test_vllm_fix_rows"):
         return
-    impl = metafunc.config.stash[STATE]["impl"]
+    impl = metafunc.config.stash[STATE].impl
     ids = ["none"]
     if isinstance(impl, ChecksEngineKernels):
         ids = (_row_cases(impl) if name == "test_vllm_kernel_rows" else _fixes(impl)) or ["none"]

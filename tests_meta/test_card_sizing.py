@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fixtures.runtime import card_sizing as S
+from fixtures.runtime.run_state import RunState
 from fixtures.models.footprint import footprint
 from fixtures.models.proxies import proxy_config, source_config
 
@@ -46,10 +47,10 @@ def test_the_controller_starts_only_the_workers_that_fit(monkeypatch):
     fp = footprint("qwen3", cfg, "shallow", torch.bfloat16)
     opts = types.SimpleNamespace(numprocesses=4, tx=["popen"] * 4, trainer_micro_batch_tokens=None)
     config = types.SimpleNamespace(option=opts, getoption=lambda name, default=None: getattr(opts, name, default))
-    state = {}
+    state = RunState()
     session._fit_workers_to_the_card(config, state, [(fp, cfg)])
     assert opts.numprocesses == 1 and opts.tx == ["popen"]
-    assert state["sizing"].startswith("4 workers asked, 1 runs")
+    assert state.sizing.startswith("4 workers asked, 1 runs")
     monkeypatch.setattr(S, "first_device", lambda: None)       # no GPU to read: nothing changes
     opts.numprocesses, opts.tx = 4, ["popen"] * 4
     session._fit_workers_to_the_card(config, {}, [(fp, cfg)])

@@ -92,11 +92,11 @@ def test_a_worker_still_busy_after_the_wait_is_said(tmp_path, monkeypatch):
     worker whose process is gone is not waited for."""
     from fixtures.runtime import exclusive
 
-    from fixtures.runtime.run_state import STATE
+    from fixtures.runtime.run_state import STATE, RunState
 
     class Config:                        # an xdist worker's config, as far as the module reads it
         workerinput = {"workerid": "gw0"}
-        stash = {STATE: {"state_dir": str(tmp_path), "is_worker": True}}
+        stash = {STATE: RunState(state_dir=str(tmp_path), is_worker=True)}
     config = Config()
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -130,12 +130,12 @@ def test_a_room_request_is_answered_once_by_each_live_neighbour_and_lasts_for_it
 
     from fixtures.runtime import gpu_memory
     from fixtures.runtime import exclusive
-    from fixtures.runtime.run_state import STATE
+    from fixtures.runtime.run_state import STATE, RunState
 
     def config(wid):
         class Config:                    # an xdist worker's config, as far as the module reads it
             workerinput = {"workerid": wid}
-            stash = {STATE: {"state_dir": str(tmp_path), "is_worker": True}}
+            stash = {STATE: RunState(state_dir=str(tmp_path), is_worker=True)}
         return Config()
 
     class Engines:                       # a worker's engine pool, as gpu_memory sees it

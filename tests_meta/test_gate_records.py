@@ -15,7 +15,8 @@ import pytest
 
 from fixtures.core.gates import GATE_RECORDS, TABLE_BEGIN, TABLE_END, check_function, gates_table, with_gates_table
 from fixtures.core.outcomes import CONTROL_FIRED, NOT_APPLICABLE
-from fixtures.core.verdicts import OUT_OF_DISK, OUT_OF_MEMORY, PRECONDITION, CheckResult, gate_verdicts
+from fixtures.core.outcomes import Outcome
+from fixtures.core.verdicts import CheckRecord, gate_verdicts
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,11 +85,11 @@ def test_check_function_reads_the_node_id():
 def _results(gate, defining_outcome, *, kind=NOT_APPLICABLE, reason="n/a: the trainer covers no layer of it"):
     res = []
     for d in gate.defining:
-        res.append(CheckResult(f"t.py::{d.tests[0]}[m]", gate.id, "m", defining_outcome,
+        res.append(CheckRecord(f"t.py::{d.tests[0]}[m]", gate.id, "m", defining_outcome,
                                reason if defining_outcome != "passed" else "",
                                kind=kind if defining_outcome == "skipped" else ""))
-    res.append(CheckResult("t.py::test_a_side_check[m]", gate.id, "m", "passed"))
-    res.append(CheckResult("t.py::test_control_stock_is_seen[m]", gate.id, "m", "passed", kind=CONTROL_FIRED))
+    res.append(CheckRecord("t.py::test_a_side_check[m]", gate.id, "m", "passed"))
+    res.append(CheckRecord("t.py::test_control_stock_is_seen[m]", gate.id, "m", "passed", kind=CONTROL_FIRED))
     return res
 
 
@@ -116,16 +117,16 @@ def test_one_defining_check_missing_is_incomplete(gate):
     assert v.status == "incomplete" and v.missing_evidence == [f"{gate.defining[-1].name}: not collected in this run"]
 
 
-@pytest.mark.parametrize("outcome", [OUT_OF_MEMORY, OUT_OF_DISK, PRECONDITION])
+@pytest.mark.parametrize("outcome", [Outcome.OUT_OF_MEMORY, Outcome.OUT_OF_DISK, Outcome.PRECONDITION])
 def test_not_carried_out_is_incomplete_never_fail_never_pass(outcome):
     gate = GATE_RECORDS[7]
-    res = _results(gate, "passed") + [CheckResult("t.py::test_at_scale[m]", gate.id, "m", outcome, "the KV cache kept nothing")]
+    res = _results(gate, "passed") + [CheckRecord("t.py::test_at_scale[m]", gate.id, "m", outcome, "the KV cache kept nothing")]
     per = gate_verdicts(res, ["m"], ["C6", gate.id])["m"]
     v = per[gate.id]
     assert v.status == "incomplete" and v.errors == {"t.py::test_at_scale[m]": outcome}
     assert v.reason.startswith("1 of 4 checks not carried out: test_at_scale: " + outcome.split(": ")[1])
     assert not v.failed
-    assert gate_verdicts(res + [CheckResult("t.py::test_x[m]", gate.id, "m", "failed", "BitwiseMismatch")],
+    assert gate_verdicts(res + [CheckRecord("t.py::test_x[m]", gate.id, "m", "failed", "BitwiseMismatch")],
                          ["m"], [gate.id])["m"][gate.id].status == "fail"     # a real failure still reads fail
 
 

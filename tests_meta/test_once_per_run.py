@@ -11,12 +11,12 @@ import types
 
 import pytest
 
-from fixtures.runtime.run_state import STATE
+from fixtures.runtime.run_state import STATE, RunState
 from fixtures.runtime.worker_files import once_per_run
 
 
 def _worker_config(state_dir, is_worker: bool = True):
-    return types.SimpleNamespace(stash={STATE: {"is_worker": is_worker, "state_dir": str(state_dir)}})
+    return types.SimpleNamespace(stash={STATE: RunState(is_worker=is_worker, state_dir=str(state_dir))})
 
 
 def test_the_first_worker_computes_and_the_others_load_it(tmp_path):

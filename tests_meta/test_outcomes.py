@@ -13,7 +13,7 @@ import pytest
 
 from fixtures.core import outcomes as O
 from fixtures.core.comparison import BitwiseMismatch, assert_bitwise
-from fixtures.core.verdicts import ALL_MODELS, CheckResult, gate_verdicts
+from fixtures.core.verdicts import ALL_MODELS, CheckRecord, gate_verdicts
 from fixtures.plugin import report as R
 
 pytest_plugins = ["pytester"]
@@ -195,12 +195,12 @@ def _verdicts(results, models=("llama", "qwen3", "mamba2")):
 
 
 def _skip(gate, nodeid, model, reason, kind="n/a"):
-    return CheckResult(nodeid, gate, model, "skipped", reason, kind=kind)
+    return CheckRecord(nodeid, gate, model, "skipped", reason, kind=kind)
 
 
 def test_notes_are_grouped_by_reason_with_count_models_and_tests():
     models = ("llama", "qwen3", "mamba2")
-    res = [CheckResult(f"t.py::test_ok[{m}]", g, m, "passed") for m in models for g in ("C0", "C2", "C7")]
+    res = [CheckRecord(f"t.py::test_ok[{m}]", g, m, "passed") for m in models for g in ("C0", "C2", "C7")]
     res += [_skip("C7", f"t.py::test_control_planted_ulp_is_named[{m}]", m, "n/a: the trainer records no module outputs")
             for m in models]
     res += [_skip("C7", f"t.py::test_every_module_output[{m}]", m, "n/a: the trainer records no module outputs")
@@ -229,9 +229,9 @@ def test_notes_are_grouped_by_reason_with_count_models_and_tests():
 
 
 def test_groups_name_the_models_they_cover_and_keep_crash_notes_apart():
-    res = [CheckResult(f"t.py::test_ok[{m}]", "C0", m, "passed") for m in ("llama", "qwen3", "mamba2")]
+    res = [CheckRecord(f"t.py::test_ok[{m}]", "C0", m, "passed") for m in ("llama", "qwen3", "mamba2")]
     res += [_skip("C0", f"t.py::test_experts[{m}]", m, "n/a: no mixture-of-experts layers") for m in ("llama", "mamba2")]
-    res += [CheckResult("t.py::test_big[qwen3]", "C0", "qwen3", "crashed", "worker gw1 crashed while running it")]
+    res += [CheckRecord("t.py::test_big[qwen3]", "C0", "qwen3", "crashed", "worker gw1 crashed while running it")]
     lines = R.reasons(_verdicts(res), ["C0"])
     assert lines == ["C0 [qwen3] fail: 1 of 2 checks crashed: t.py::test_big[qwen3]",
                      "C0 [qwen3] note: crashed: worker gw1 crashed while running it [t.py::test_big[qwen3]]",

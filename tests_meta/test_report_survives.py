@@ -329,10 +329,10 @@ def test_verdict_rules_for_crashes_oom_and_unfinished_checks():
     """A crash is a failure; an out-of-memory check was not carried out: the gate is incomplete,
     never fail (the stack did nothing wrong) and never pass (#44)."""
     from fixtures.core.gates import DefiningCheck, Gate
-    from fixtures.core.verdicts import CheckResult, all_passed, gate_verdicts, overall
+    from fixtures.core.verdicts import CheckRecord, all_passed, gate_verdicts, overall
 
     def r(gate, outcome, name, reason=""):
-        return CheckResult(f"t::{name}", gate, "m", outcome, reason)
+        return CheckRecord(f"t::{name}", gate, "m", outcome, reason)
     records = {g: Gate(g, g, "", (DefiningCheck(("a", "c", "f", "g")),)) for g in ("C0", "C1", "C2", "C3")}
     out = gate_verdicts([r("C0", "passed", "a"), r("C0", "not run", "b", "never ran: interrupted (signal 15)"),
                          r("C1", "passed", "c"), r("C1", "crashed", "d", "worker gw1 crashed (signal 9) while running it"),
@@ -360,8 +360,8 @@ def test_b_sigterm_seen_through_xdists_queue_lock_is_one_line(capsys):
     our signal an internal error is one line, and the exit status is INTERRUPTED."""
     import types
     from fixtures.plugin.results import ReportCollector
-    from fixtures.runtime.run_state import STATE
-    config = types.SimpleNamespace(stash={STATE: {"signalled": 15}})
+    from fixtures.runtime.run_state import STATE, RunState
+    config = types.SimpleNamespace(stash={STATE: RunState(signalled=15)})
     collector = ReportCollector(config)
     try:
         raise RuntimeError("release unlocked lock")
@@ -370,5 +370,5 @@ def test_b_sigterm_seen_through_xdists_queue_lock_is_one_line(capsys):
     assert collector.pytest_internalerror(None, excinfo) is True
     assert capsys.readouterr().err.strip() == ("run interrupted by signal 15 (RuntimeError: release unlocked lock "
                                                "while xdist waited for its workers)")
-    config.stash[STATE]["signalled"] = None
+    config.stash[STATE].signalled = None
     assert collector.pytest_internalerror(None, excinfo) is None, "a real internal error keeps its traceback"

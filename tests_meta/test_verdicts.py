@@ -4,7 +4,8 @@ kind (n/a, inconclusive, blocked) is data (fixtures.core.outcomes), never read f
 from __future__ import annotations
 
 from fixtures.core.gates import DefiningCheck, Gate
-from fixtures.core.verdicts import ALL_MODELS, KNOWN_FAILURE, CheckResult, all_passed, gate_verdicts, overall
+from fixtures.core.outcomes import Outcome
+from fixtures.core.verdicts import ALL_MODELS, CheckRecord, all_passed, gate_verdicts, overall
 
 # The rules below are the verdict's own; each gate here is defined by one check, `test_defining`
 # (tests_meta/test_gate_records.py judges the suite's real records).
@@ -12,7 +13,7 @@ RECORDS = {g: Gate(g, g, "", (DefiningCheck(("test_defining",)),)) for g in ("C0
 
 
 def r(gate, outcome, model="m", reason="", nodeid=None, kind="", **props):
-    return CheckResult(nodeid or f"t::test_defining[{gate}-{outcome}-{model}-{reason}]", gate, model, outcome, reason,
+    return CheckRecord(nodeid or f"t::test_defining[{gate}-{outcome}-{model}-{reason}]", gate, model, outcome, reason,
                        kind=kind, properties=tuple(sorted(props.items())))
 
 
@@ -125,7 +126,7 @@ def test_unchained_gates_get_their_own_verdicts_with_a_note():
 
 
 def test_known_failures_get_their_own_label_and_block_only_when_strict():
-    res = [r("C0", "passed"), r("C1", KNOWN_FAILURE, reason="vLLM 0.26 fused_add_rms_norm", nodeid="k"),
+    res = [r("C0", "passed"), r("C1", Outcome.KNOWN_FAILURE, reason="vLLM 0.26 fused_add_rms_norm", nodeid="k"),
            r("C1", "passed"), r("C2", "passed")]
     out = v(res)["m"]
     assert out["C1"].status == "pass with known failures" and out["C1"].label() == "pass with known failures (1)"
@@ -134,7 +135,7 @@ def test_known_failures_get_their_own_label_and_block_only_when_strict():
     assert not all_passed(v(res), ["C0", "C1"])           # --strict-gates never takes it for a pass
     strict = v(res, known_failures_block=True)["m"]
     assert strict["C2"].label() == "blocked by C1 (own checks 1/1 pass)"
-    only_known = v([r("C0", KNOWN_FAILURE, reason="x")])["m"]
+    only_known = v([r("C0", Outcome.KNOWN_FAILURE, reason="x")])["m"]
     assert only_known["C0"].label() == "pass with known failures (1)"
     assert overall({"a": out, "b": v([r("C0", "passed"), r("C1", "passed")])["m"]}, "C1") == "pass with known failures"
 
