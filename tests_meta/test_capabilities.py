@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,9 +67,37 @@ def test_members_are_the_documented_ones():
     assert C.RecordsModuleOutputsInBatch._capability_members == {"module_naming", "module_outputs",
                                                                  "module_outputs_in_batch"}
     assert C.HasKernelMode._capability_members == {"kernel_mode", "kernel_table"}
-    doc = C.__doc__
-    for cap in {*C.ENGINE_CAPABILITIES, *C.TRAINER_CAPABILITIES, *C.IMPLEMENTATION_CAPABILITIES, C.CountsServedOps}:
-        assert f"| {cap.__name__} |" in doc, f"{cap.__name__} missing from the contract's capability table"
+
+
+def _documented_rows() -> dict[str, tuple[str, str]]:
+    """docs/capabilities.md's table: capability name -> (its "on" cell, its members cell)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "capabilities.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and cells[0].startswith("`") and cells[0].endswith("`"):
+            rows[cells[0].strip("`")] = (cells[1], cells[2])
+    return rows
+
+
+def test_the_capability_table_is_the_contract():
+    """docs/capabilities.md, the one table of the optional capabilities, against the code: a row per
+    capability and no other, its "on" cell the kinds of object the plugin asks it of, and every
+    member the capability adds to its bases named in the members cell."""
+    from fixtures.core import full_rows
+    caps = {c.__name__: c for m in (C, full_rows) for c in vars(m).values()
+            if isinstance(c, type) and C.Capability in c.__mro__[1:]}
+    rows = _documented_rows()
+    assert set(rows) == set(caps)
+    kinds = {"engine": C.ENGINE_CAPABILITIES, "trainer": C.TRAINER_CAPABILITIES,
+             "implementation": C.IMPLEMENTATION_CAPABILITIES}
+    for name, cap in caps.items():
+        on, members = rows[name]
+        asked_of = {kind for kind, listed in kinds.items() if cap in listed}
+        if asked_of:
+            assert set(on.split(", ")) == asked_of, (name, on)
+        inherited = set().union(*(b._capability_members for b in cap.__mro__[1:] if C.Capability in b.__mro__))
+        assert [m for m in cap._capability_members - inherited if f"`{m}" not in members] == [], (name, members)
 
 
 def test_the_base_implementation_has_no_optional_capability():

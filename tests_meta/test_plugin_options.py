@@ -1,8 +1,9 @@
-"""The --vllm-* options (the vLLM adapter's knobs): an option is exported to the environment
-variable the adapter reads, the variable alone is the fallback, the two disagreeing is one usage
-error; every one set is echoed in the header and the report. And the repro command of a failure
-passes the run's options again (--impl, --model, --proxy, --proxy-seed, --proxy-weights, the
---vllm-* options, --hypothesis-profile)."""
+"""The vLLM adapter's knobs (--vllm-attention-backend, --vllm-compiled-custom-ops, --vllm-fixes,
+and the performance-only ones as --vllm-runtime KEY=VALUE,...): a setting is exported to the
+environment variable the adapter reads, the variable alone is the fallback, the two disagreeing is
+one usage error, as is an unknown runtime key; every one set is echoed in the header and the
+report. And the repro command of a failure passes the run's options again (--impl, --model,
+--proxy, --proxy-seed, --proxy-weights, the vLLM options, --hypothesis-profile)."""
 from __future__ import annotations
 
 import ast
@@ -83,20 +84,24 @@ def test_every_hook_module_is_a_registered_plugin():
 
 def test_every_knob_the_adapter_reads_is_an_option_and_echoed():
     """Every CONFORMANCE_VLLM_* variable fixtures/vllm reads (but the fake backend's, which the
-    adapter sets for its own worker) has a --vllm-* option, echoed in the header's environment and
-    listed in the README's Options table."""
+    adapter sets for its own worker) has a --vllm-* option or a --vllm-runtime key, echoed in the
+    header's environment; the options and the runtime keys are listed in docs/options.md, the
+    options in the README; only the performance-only knobs are runtime keys."""
     read = {m for p in (ROOT / "fixtures" / "vllm").glob("*.py")
             for m in re.findall(r"CONFORMANCE_VLLM_[A-Z_]+", p.read_text())} - {"CONFORMANCE_VLLM_FAKE"}
     assert read == {k.env for k in VLLM_KNOBS}
-    assert all(k.flag == "--vllm-" + k.env[len("CONFORMANCE_VLLM_"):].lower().replace("_", "-") for k in VLLM_KNOBS)
+    assert all(k.name == k.env[len("CONFORMANCE_VLLM_"):].lower().replace("_", "-") for k in VLLM_KNOBS)
     assert {k.env for k in VLLM_KNOBS} <= set(environment.RELEVANT_ENV)
-    readme = (ROOT / "README.md").read_text()
-    assert [k.flag for k in VLLM_KNOBS if f"`{k.flag}" not in readme] == []
+    assert {k.name for k in VLLM_KNOBS if not k.runtime} == {"attention-backend", "compiled-custom-ops", "fixes"}
+    readme, options = (ROOT / "README.md").read_text(), (ROOT / "docs" / "options.md").read_text()
+    assert [k.flag for k in VLLM_KNOBS if not k.runtime and f"`{k.flag}" not in readme + options] == []
+    assert "`--vllm-runtime" in readme
+    assert [k.name for k in VLLM_KNOBS if k.runtime and f"`{k.name}=" not in options] == []
 
 
 def test_an_option_is_exported_echoed_and_put_back(inner, pytester):
-    res, seen = inner("--vllm-idle-engines", "3", "--vllm-attention-backend=TRITON_ATTN",
-                      "--vllm-log-dir=logs", "--report=rep")
+    res, seen = inner("--vllm-runtime", "idle-engines=3", "--vllm-attention-backend=TRITON_ATTN",
+                      "--vllm-runtime=log-dir=logs", "--report=rep")
     assert res.ret == 0, res.stdout.str() + res.stderr.str()
     logs = str(pytester.path / "logs")
     assert seen["env"]["CONFORMANCE_VLLM_IDLE_ENGINES"] == "3"
@@ -104,8 +109,8 @@ def test_an_option_is_exported_echoed_and_put_back(inner, pytester):
     assert seen["env"]["CONFORMANCE_VLLM_LOG_DIR"] == logs          # absolute: workers may run elsewhere
     assert seen["env"]["CONFORMANCE_VLLM_PRESPAWN"] is None          # an absent knob stays unset
     out = res.stdout.str()
-    assert (f"conformance vllm options: --vllm-attention-backend=TRITON_ATTN --vllm-idle-engines=3 "
-            f"--vllm-log-dir={logs}") in out
+    assert (f"conformance vllm options: --vllm-attention-backend=TRITON_ATTN "
+            f"--vllm-runtime=idle-engines=3,log-dir={logs}") in out
     assert "CONFORMANCE_VLLM_IDLE_ENGINES=3" in out                  # the header's environment line
     doc = json.loads((pytester.path / "rep" / "report.json").read_text())
     assert doc["environment"]["env"]["CONFORMANCE_VLLM_IDLE_ENGINES"] == "3"
@@ -118,27 +123,32 @@ def test_the_variable_alone_is_the_fallback(inner, monkeypatch):
     res, seen = inner()
     assert res.ret == 0, res.stdout.str() + res.stderr.str()
     assert seen["env"]["CONFORMANCE_VLLM_CALL_TIMEOUT"] == "120"
-    assert "conformance vllm options: --vllm-call-timeout=120 (from CONFORMANCE_VLLM_CALL_TIMEOUT)" in res.stdout.str()
-    assert "--vllm-call-timeout=120" in shlex.split(seen["repro"])
+    assert "conformance vllm options: --vllm-runtime=call-timeout=120 (from CONFORMANCE_VLLM_CALL_TIMEOUT)" \
+        in res.stdout.str()
+    assert "--vllm-runtime=call-timeout=120" in shlex.split(seen["repro"])
     assert os.environ["CONFORMANCE_VLLM_CALL_TIMEOUT"] == "120"       # a variable the run did not set, kept
 
 
 def test_the_same_value_both_ways_is_accepted(inner, monkeypatch):
     monkeypatch.setenv("CONFORMANCE_VLLM_START_TIMEOUT", "900")
     monkeypatch.setenv("CONFORMANCE_VLLM_COMPILED_CUSTOM_OPS", "all")
-    res, seen = inner("--vllm-start-timeout", "900.0", "--vllm-compiled-custom-ops", "all")
+    res, seen = inner("--vllm-runtime", "start-timeout=900.0", "--vllm-compiled-custom-ops", "all")
     assert res.ret == 0, res.stdout.str() + res.stderr.str()
     assert seen["env"]["CONFORMANCE_VLLM_START_TIMEOUT"] == "900"
     assert os.environ["CONFORMANCE_VLLM_START_TIMEOUT"] == "900"     # put back as the caller had it
 
 
 @pytest.mark.parametrize("option, env, needles", [
-    (["--vllm-idle-engines", "3"], {"CONFORMANCE_VLLM_IDLE_ENGINES": "1"},
-     ["--vllm-idle-engines=3 and CONFORMANCE_VLLM_IDLE_ENGINES=1 disagree"]),
+    (["--vllm-runtime", "idle-engines=3"], {"CONFORMANCE_VLLM_IDLE_ENGINES": "1"},
+     ["--vllm-runtime idle-engines=3 and CONFORMANCE_VLLM_IDLE_ENGINES=1 disagree"]),
     (["--vllm-attention-backend=TRITON_ATTN"], {"CONFORMANCE_VLLM_ATTENTION_BACKEND": "FLASH_ATTN"},
      ["--vllm-attention-backend=TRITON_ATTN and CONFORMANCE_VLLM_ATTENTION_BACKEND=FLASH_ATTN disagree"]),
-    (["--vllm-idle-engines", "many"], {}, ["--vllm-idle-engines=many: expected a whole number >= 0"]),
-    (["--vllm-prespawn", "yes"], {}, ["--vllm-prespawn=yes: expected 0 or 1"]),
+    (["--vllm-runtime", "idle-engines=many"], {}, ["--vllm-runtime idle-engines=many: expected a whole number >= 0"]),
+    (["--vllm-runtime=recycle=1,prespawn=yes"], {}, ["--vllm-runtime prespawn=yes: expected 0 or 1"]),
+    (["--vllm-runtime=idle-engine=2"], {}, ["--vllm-runtime=idle-engine=2: unknown key 'idle-engine' (keys: idle-engines,"]),
+    (["--vllm-runtime=prespawn"], {}, ["--vllm-runtime=prespawn: 'prespawn' is not KEY=VALUE"]),
+    (["--vllm-runtime=prespawn=0", "--vllm-runtime=prespawn=1"], {}, ["--vllm-runtime: prespawn given twice"]),
+    (["--vllm-runtime=fixes=all"], {}, ["unknown key 'fixes'"]),
     ([], {"CONFORMANCE_VLLM_CALL_TIMEOUT": "soon"}, ["CONFORMANCE_VLLM_CALL_TIMEOUT=soon: expected a number of seconds"]),
 ])
 def test_disagreeing_or_bad_values_are_one_usage_error(inner, monkeypatch, option, env, needles, one_error_line):
@@ -151,13 +161,20 @@ def test_disagreeing_or_bad_values_are_one_usage_error(inner, monkeypatch, optio
         "nothing is exported when a knob is refused"
 
 
+def test_a_performance_knob_is_no_option_of_its_own(inner):
+    """The performance-only knobs are --vllm-runtime keys: their old options are unknown to pytest."""
+    res, _ = inner("--vllm-idle-engines=3")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    assert "unrecognized arguments: --vllm-idle-engines=3" in res.stderr.str()
+
+
 def test_the_repro_command_passes_the_options_again(inner):
-    res, seen = inner("--vllm-idle-engines=0", "--proxy-seed", "7", "--hypothesis-profile", "ci")
+    res, seen = inner("--vllm-runtime=idle-engines=0", "--proxy-seed", "7", "--hypothesis-profile", "ci")
     assert res.ret == 0, res.stdout.str() + res.stderr.str()
     argv = shlex.split(seen["repro"])
     assert argv[:2] == ["pytest", "tests_c0_inventory/test_probe.py::test_probe"]
     assert argv[2:] == ["--impl=reference", "--model=llama", "--proxy=tiny", "--proxy-seed=7",
-                        "--proxy-weights=files", "--vllm-idle-engines=0", "--hypothesis-profile=ci"]
+                        "--proxy-weights=files", "--vllm-runtime=idle-engines=0", "--hypothesis-profile=ci"]
 
 
 def test_the_repro_command_narrows_model_to_the_running_test(monkeypatch):
@@ -177,10 +194,10 @@ def test_workers_see_the_option_and_accept_the_inherited_variable(inner):
     """Under xdist the workers inherit the variable the controller exported and parse the same
     option: equal, so accepted; each worker's check sees the value."""
     pytest.importorskip("xdist")
-    res, seen = inner("-n", "2", "--vllm-prespawn=0")
+    res, seen = inner("-n", "2", "--vllm-runtime=prespawn=0")
     assert res.ret == 0, res.stdout.str() + res.stderr.str()
     assert seen["env"]["CONFORMANCE_VLLM_PRESPAWN"] == "0"
-    assert "--vllm-prespawn=0" in shlex.split(seen["repro"])
+    assert "--vllm-runtime=prespawn=0" in shlex.split(seen["repro"])
     assert "CONFORMANCE_VLLM_PRESPAWN" not in os.environ
 
 

@@ -397,7 +397,7 @@ def test_generate_validates_input(model_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------
 def test_make_engine_without_vllm_is_na(model_dir, monkeypatch):
     monkeypatch.setattr(vimpl, "vllm_version", lambda: None)
-    with pytest.raises(NotImplementedError, match=r"^n/a: vLLM is not installed \(pip install \.\[vllm\]"):
+    with pytest.raises(NotImplementedError, match=r"^n/a: vLLM is not installed \(pip install vllm==0\.26\.0"):
         vimpl.VLLMImplementation().make_engine(model_dir)
 
 
@@ -420,7 +420,7 @@ def test_engine(engine_factory):
     res = pytester.runpytest_inprocess("--impl", "vllm", "--model", "llama", "--proxy", "tiny", "-p", "no:cacheprovider",
                                        "-rs")
     res.assert_outcomes(skipped=1)
-    assert "SKIPPED [1] conftest.py" in res.stdout.str() and "n/a: vLLM is not installed (pip install .[vllm]" in res.stdout.str()
+    assert "SKIPPED [1] conftest.py" in res.stdout.str() and "n/a: vLLM is not installed (pip install vllm==0.26.0" in res.stdout.str()
 
 
 def test_describe_does_not_import_vllm():
