@@ -15,7 +15,7 @@ PKG = ROOT / "fixtures"
 GATE_DIRS = ("tests_c0_inventory", "tests_c5_invariance", "tests_c8_training", "tests_c10_delivery")
 
 # Which packages each package may import (besides itself). The layers, bottom up: core; models;
-# diagnose; reference; checks; faults / vllm; plugin. docs/architecture.md says why.
+# diagnose; reference; checks; faults / vllm / records; plugin. docs/architecture.md says why.
 MAY_IMPORT = {
     "core": set(),
     "models": {"core"},
@@ -24,11 +24,12 @@ MAY_IMPORT = {
     "checks": {"core", "models", "diagnose", "reference"},
     "faults": {"core", "models", "diagnose", "reference", "checks"},
     "vllm": {"core", "models", "diagnose", "reference", "checks"},
-    "plugin": {"core", "models", "diagnose", "reference", "checks", "faults"},
+    "records": {"core", "models", "diagnose", "reference", "checks"},   # never plugin, never vllm
+    "plugin": {"core", "models", "diagnose", "reference", "checks", "faults", "records"},
 }
 # What the gate modules (and the root conftest.py) may import: the contract, the checks, the
 # diagnosis tools and the proxies; an engine's or a trainer's own package never.
-GATE_MAY_IMPORT = {"core", "checks", "diagnose", "models", "plugin"}
+GATE_MAY_IMPORT = {"core", "checks", "diagnose", "models", "plugin", "records"}
 MAX_LINES = 600
 ONE_IDEA = {   # longer modules, each one idea that would only be scattered by a split
     "fixtures/reference/kernels.py": "the batch-invariant kernel library: one kernel family per section",
