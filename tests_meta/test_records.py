@@ -231,3 +231,16 @@ def test_writer_imports_neither_torch_distributed_nor_vllm():
     code = ("import sys, fixtures.records.writer; "
             "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_torchrun_example_judges_green(tmp_path):
+    """examples/records_torchrun.py: two gloo ranks, their own data-parallel loop, records judged green."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "examples/records_torchrun.py", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "records").glob("rank-*")) == ["rank-00000", "rank-00001"]
+    res = run_pytest(f"--records={tmp_path / 'records'}", "--strict-gates", "-m", "C6 or C7 or C9")
+    rows = verdict_rows(res.stdout)
+    assert res.returncode == 0 and rows.get("C6") == rows.get("C7") == rows.get("C9") == "PASS", res.stdout[-2000:]
