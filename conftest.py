@@ -15,7 +15,7 @@ import pytest
 # --stock-gemm come from fixtures.plugin.faults.
 pytest_plugins = ["fixtures.plugin.session", "fixtures.plugin.options", "fixtures.plugin.collection",
                   "fixtures.plugin.results", "fixtures.plugin.faults", "fixtures.runtime.scheduling",
-                  "fixtures.runtime.exclusive", "fixtures.runtime.activity"]
+                  "fixtures.runtime.exclusive", "fixtures.runtime.activity", "fixtures.plugin.records"]
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ PKG = ROOT / "fixtures"
 GATE_DIRS = ("tests_c0_inventory", "tests_c5_invariance", "tests_c8_training", "tests_c10_delivery")
 
 # Which packages each package may import (besides itself). The layers, bottom up: core; runtime;
-# models; diagnose; reference; checks; faults / vllm; plugin. docs/architecture.md says why.
+# models; diagnose; reference; checks; faults / vllm / records; plugin. docs/architecture.md says why.
 MAY_IMPORT = {
     "core": set(),
     "runtime": {"core"},
@@ -30,12 +30,13 @@ MAY_IMPORT = {
     "checks": {"core", "runtime", "models", "diagnose", "reference"},
     "faults": {"core", "runtime", "models", "diagnose", "reference", "checks"},
     "vllm": {"core", "runtime", "models", "diagnose", "reference"},
-    "plugin": {"core", "runtime", "models", "diagnose", "reference", "checks", "faults"},
+    "records": {"core", "models", "diagnose", "reference", "checks"},   # never plugin, never vllm
+    "plugin": {"core", "runtime", "models", "diagnose", "reference", "checks", "faults", "records"},
 }
 # What the gate modules (and the root conftest.py) may import: the contract, the checks, the
-# diagnosis tools, the proxies and the run machinery (costs, GPU memory, the device alone); an
-# engine's or a trainer's own package never.
-GATE_MAY_IMPORT = {"core", "runtime", "checks", "diagnose", "models", "plugin"}
+# diagnosis tools, the proxies, the records lane and the run machinery (costs, GPU memory, the
+# device alone); an engine's or a trainer's own package never.
+GATE_MAY_IMPORT = {"core", "runtime", "checks", "diagnose", "models", "plugin", "records"}
 MAX_LINES = 600
 ONE_IDEA = {   # longer modules, each one idea that would only be scattered by a split
     "fixtures/reference/kernels.py": "the batch-invariant kernel library: one kernel family per section",
