@@ -39,10 +39,12 @@ def test_never_fewer_than_one_and_never_more_than_asked():
     assert S.workers_that_fit(1, H200, _need("qwen3"), 0.85)[0] == 1
 
 
-def test_the_controller_starts_only_the_workers_that_fit(monkeypatch):
+def test_the_controller_starts_only_the_workers_that_fit(monkeypatch, fake_vllm_impl):
     from fixtures.plugin import session
+    from fixtures.runtime.gpu_memory import SHARERS_ENV
     monkeypatch.setattr(S, "first_device", lambda: H100)
     monkeypatch.delenv("CONFORMANCE_VLLM_GPU_MEMORY_BUDGET", raising=False)
+    monkeypatch.setenv(SHARERS_ENV, "4")          # -n 4 counted before the sizing (session._count_gpu_sharers)
     cfg = proxy_config(source_config("qwen3"), "shallow")
     fp = footprint("qwen3", cfg, "shallow", torch.bfloat16)
     opts = types.SimpleNamespace(numprocesses=4, tx=["popen"] * 4, trainer_micro_batch_tokens=None)
@@ -51,6 +53,8 @@ def test_the_controller_starts_only_the_workers_that_fit(monkeypatch):
     session._fit_workers_to_the_card(config, state, [(fp, cfg)])
     assert opts.numprocesses == 1 and opts.tx == ["popen"]
     assert state.sizing.startswith("4 workers asked, 1 runs")
+    # the header's budget line is the workers that run, though the implementation was made before the cut
+    assert "1 worker sharing it = 0.85 each" in fake_vllm_impl.describe()["gpu_memory_budget"]
     monkeypatch.setattr(S, "first_device", lambda: None)       # no GPU to read: nothing changes
     opts.numprocesses, opts.tx = 4, ["popen"] * 4
     session._fit_workers_to_the_card(config, {}, [(fp, cfg)])
