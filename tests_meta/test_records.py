@@ -145,6 +145,73 @@ def test_small_steps_are_inconclusive(tmp_path):
         judge.judge_parity(load_records(tmp_path))
 
 
+def test_composition_below_256_tokens_is_inconclusive(tmp_path):
+    with RecordWriter(tmp_path) as w:
+        for sid in ("a", "b"):
+            w.rollout(step=1, id=sid, prompt_ids=[1, 2], token_ids=[3], logprobs=[-1.5], sampling={"temperature": 1.0},
+                      weight_version=0)
+        lps = {"a": np.array([-1.5], np.float32), "b": np.array([-1.5], np.float32)}
+        w.trainer_pass(step=1, composition="packed", weight_version=0, layout="packed", micro_batches=[["a", "b"]],
+                       logprobs=lps)
+        w.trainer_pass(step=1, composition="alone", weight_version=0, layout="packed", micro_batches=[["a"], ["b"]],
+                       logprobs=lps)
+    with pytest.raises(judge.Inconclusive, match="256 tokens"):
+        judge.judge_composition(load_records(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------
+# module output dumps: a red C7 names the first module whose outputs differ
+# ---------------------------------------------------------------------------------------------
+MODULES = ("model.embed_tokens", "model.layers.0", "model.layers.1.mlp", "model.norm")
+
+
+def _dumped(tmp_path, *, differ_at: str | None, trainer_names=MODULES) -> Path:
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    engine_out = {m: torch.randn(300, 16, generator=gen).to(torch.bfloat16) for m in MODULES}
+    trainer_out = {m: engine_out[m].clone() for m in trainer_names if m in engine_out}
+    if differ_at:
+        t = trainer_out[differ_at]
+        t.view(-1)[37] = torch.nextafter(t.view(-1)[37:38].float(), torch.tensor([9.0])).to(torch.bfloat16)
+        if t.view(-1)[37] == engine_out[differ_at].view(-1)[37]:        # float32 step below bf16's ULP: take bf16's
+            t.view(torch.int16).view(-1)[37] += 1
+    lps = np.full(40, -1.25, np.float32)
+    off = lps.copy()
+    off[3] = np.nextafter(off[3], np.float32(0))
+    with RecordWriter(tmp_path) as w:
+        w.rollout(step=1, id="s", prompt_ids=list(range(260)), token_ids=list(range(40)), logprobs=lps,
+                  sampling={"temperature": 1.0}, weight_version=0, engine={"step_tokens": [300]})
+        w.trainer_pass(step=1, composition="packed", weight_version=0, layout="packed", micro_batches=[["s"]],
+                       logprobs={"s": off})
+        w.module_outputs(step=1, id="s", side="engine", outputs=engine_out)
+        w.module_outputs(step=1, id="s", side="trainer", outputs=trainer_out)
+    return tmp_path
+
+
+def test_red_parity_names_the_first_diverging_module(tmp_path):
+    with pytest.raises(AssertionError) as err:
+        judge.judge_parity(load_records(_dumped(tmp_path, differ_at="model.layers.1.mlp")))
+    text = str(err.value)
+    assert "first diverging op: module model.layers.1.mlp" in text, text
+    assert "the 2 before it bitwise equal" in text and "element 37 of 4800" in text and "1 ULP apart" in text, text
+
+
+def test_equal_dumps_say_the_difference_comes_after_them(tmp_path):
+    with pytest.raises(AssertionError, match="after model.norm: the 4 modules both sides dumped"):
+        judge.judge_parity(load_records(_dumped(tmp_path, differ_at=None)))
+
+
+def test_bad_module_dumps_are_one_line(tmp_path):
+    d = _dumped(tmp_path, differ_at=None, trainer_names=MODULES[:2])
+    index = d / "rank-00000" / "records.jsonl"
+    lines = index.read_text().splitlines()
+    rec = json.loads(lines[-1])
+    rec["dtypes"]["model.layers.0"] = "float32"             # its bits are bfloat16's int16
+    index.write_text("\n".join(lines[:-1] + [json.dumps(rec)]) + "\n")
+    with pytest.raises(RecordsError, match="module/model.layers.0: stored as int16, not the int32 bits of float32"):
+        load_records(d)
+
+
 def test_plan_not_followed_reads_incomplete(clean, tmp_path):
     rec = _copy_without(clean, tmp_path / "r", lambda r: r.get("composition") == "alone" and r.get("step") == 2)
     res = run_pytest(f"--records={rec}", "-m", "C6", "-rs")
