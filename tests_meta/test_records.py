@@ -311,3 +311,18 @@ def test_torchrun_example_judges_green(tmp_path):
     res = run_pytest(f"--records={tmp_path / 'records'}", "--strict-gates", "-m", "C6 or C7 or C9")
     rows = verdict_rows(res.stdout)
     assert res.returncode == 0 and rows.get("C6") == rows.get("C7") == rows.get("C9") == "PASS", res.stdout[-2000:]
+
+
+def test_the_drive_command_writes_records_pytest_judges_green(tmp_path):
+    """`python -m fixtures.records.drive` (the command a GPU run uses with --impl vllm-engine-kernels)
+    on the reference stack: its records judge green; a bad --model is one line, exit 4."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", "fixtures.records.drive", "--impl", "reference", "--model", "llama",
+                          "--out", str(tmp_path / "r")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "records written" in run.stdout, run.stdout + run.stderr
+    res = run_pytest(f"--records={tmp_path / 'r'}", "--strict-gates", "-m", "C6 or C7 or C9")
+    assert res.returncode == 0 and verdict_rows(res.stdout).get("C7") == "PASS", res.stdout[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "fixtures.records.drive", "--model", "no/such/dir", "--out",
+                          str(tmp_path / "x")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 4 and bad.stderr.startswith("ERROR: --model no/such/dir") and \
+        len(bad.stderr.strip().splitlines()) == 1, bad.stderr
