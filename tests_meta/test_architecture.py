@@ -241,3 +241,15 @@ def test_every_package_has_a_layer_and_the_stated_rules_hold():
     assert MAY_IMPORT["core"] == set()
     assert MAY_IMPORT["runtime"] == {"core"}
     assert "checks" not in MAY_IMPORT["vllm"] and "plugin" not in MAY_IMPORT["vllm"]
+
+
+def test_result_files_the_library_links_exist():
+    """A docstring states its rule and links the dated result that measured it
+    (docs/results/<date>-<what>.md): every such link in fixtures/ names a file that exists and is
+    listed in docs/results/README.md, so a renamed result never leaves a dead pointer."""
+    import re
+    index = (ROOT / "docs" / "results" / "README.md").read_text()
+    dead = sorted({f"{p.relative_to(ROOT)}: {name}" for p in PKG.rglob("*.py")
+                   for name in re.findall(r"docs/results/([\w.-]+\.md)", p.read_text())
+                   if not (ROOT / "docs" / "results" / name).is_file() or f"({name})" not in index})
+    assert dead == []

@@ -248,3 +248,34 @@ def test_a_large_cpu_job_borrows_the_cores_the_other_workers_leave(monkeypatch):
             assert threads == 20
     finally:
         torch.set_num_threads(before)
+
+
+def _registered_flags() -> list[str]:
+    """The long flags the suite's own pytest_addoption hooks register (its groups "conformance"
+    and "conformance-vllm"), read by calling the hooks on a recording parser: nothing starts."""
+    from fixtures.plugin import faults, options
+    flags: list[str] = []
+
+    class Recorder:
+        def getgroup(self, *args, **kwargs):
+            return self
+
+        def addoption(self, *names, **kwargs):
+            flags.extend(n for n in names if n.startswith("--"))
+
+    for hook in (options.pytest_addoption, faults.pytest_addoption):
+        hook(Recorder())
+    return flags
+
+
+def test_docs_options_lists_every_registered_option_and_no_other():
+    """docs/options.md is the page behind `pytest --help`: every option the suite registers has
+    its row there (a new option without one fails here), and the page's table lists no option
+    the suite does not register (a renamed or removed one)."""
+    flags = _registered_flags()
+    assert len(flags) == len(set(flags)) and "--records" in flags and "--impl" in flags
+    page = (ROOT / "docs" / "options.md").read_text()
+    rows = {m for m in re.findall(r"^\| `(--[a-z][a-z0-9-]*)", page, re.M)}
+    assert sorted(set(flags) - rows) == [], "registered but not in docs/options.md's table"
+    # --hypothesis-profile is hypothesis' own option, documented here for the profiles the suite adds
+    assert sorted(rows - set(flags) - {"--hypothesis-profile"}) == [], "in docs/options.md but not registered"
