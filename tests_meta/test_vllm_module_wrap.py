@@ -151,7 +151,7 @@ def _grads_vs_float64(name, references=None):
 def test_wrapped_forward_is_the_modules_bits_and_leaves_inputs_alone(name):
     torch.manual_seed(0)
     case, make = CASES[name]()
-    case = case.to(torch.bfloat16) if name not in ("embedding",) else case.to(torch.bfloat16)
+    case = case.to(torch.bfloat16)
     args = [a.to(torch.bfloat16) if a.is_floating_point() else a for a in make(torch.Generator().manual_seed(1))]
     plain = copy.deepcopy(case)
     with torch.no_grad():
@@ -256,4 +256,83 @@ def test_attention_reference_without_packed_lengths_is_an_error_not_a_guess():
     out = case(*args)
     with pytest.raises(RuntimeError, match="packed sequence lengths"):
         out.sum().backward()
-    assert math.isfinite(float(out.sum()))
+    assert math.isfinite(float(out.detach().sum()))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """vLLM's Qwen3 layer order over the stand-ins (no parameters of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = _norm_weight(V.RMSNorm(H)), _norm_weight(V.RMSNorm(H))
+        self.qkv_proj, self.o_proj = V.QKVParallelLinear(H, 8, 4, 2), V.RowParallelLinear(32, H)
+        self.q_norm, self.k_norm = _norm_weight(V.RMSNorm(8)), _norm_weight(V.RMSNorm(8))
+        self.rotary_emb, self.attn = V.RotaryEmbedding(8, 8, 256, 10000.0, True), V.Attention(4, 8, 8 ** -0.5, 2)
+        self.gate_up_proj, self.act_fn, self.down_proj = V.MergedColumnParallelLinear(H, [48, 48]), V.SiluAndMul(), \
+            V.RowParallelLinear(48, H)
+
+    def forward(self, positions, h, residual):
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        q, k, v = self.qkv_proj(x)[0].split([32, 16, 16], -1)
+        q = self.q_norm(q.reshape(-1, 4, 8)).reshape(-1, 32)
+        k = self.k_norm(k.reshape(-1, 2, 8)).reshape(-1, 16)
+        q, k = self.rotary_emb(positions, q, k)
+        h = self.o_proj(self.attn(q, k, v))[0]
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)[0]))[0], residual
+
+
+class TinyQwen3(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens, self.layers = V.VocabParallelEmbedding(100, H), nn.ModuleList([Qwen3DecoderLayer() for _ in range(2)])
+        self.norm, self.lm_head, self.logits_processor = _norm_weight(V.RMSNorm(H)), V.ParallelLMHead(100, H), V.LogitsProcessor(100)
+        self.lens = LENS
+
+    def forward(self, ids):
+        positions = torch.cat([torch.arange(n) for n in LENS])
+        for layer in self.layers:
+            layer.attn.lens = LENS
+        h, residual = self.embed_tokens(ids), None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual)
+        h, _ = self.norm(h, residual)
+        return self.logits_processor(self.lm_head, h)
+
+
+def test_a_whole_decoder_wrapped_is_its_own_bits_and_its_gradients_within_the_bound():
+    """Every layer of a two-layer Qwen3-ordered model found by class and wrapped: the logits are
+    the unwrapped model's bits; every parameter's gradient is within the bound of float64 autograd."""
+    torch.manual_seed(0)
+    model = TinyQwen3()
+    ids = torch.randint(0, 100, (sum(LENS),), generator=torch.Generator().manual_seed(2))
+    plain32, plain64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    w = MW.wrap_model(model).require_known()
+    assert set(w.wrapped.values()) == {"embedding", "rms_norm", "linear", "rotary_cached", "attention",
+                                       "silu_and_mul", "logits"}
+    with torch.no_grad():
+        assert_bitwise(model(ids), plain32(ids), what="tiny Qwen3 logits, wrapped vs unwrapped")
+    _, got = _run(model, [ids], wrapped=w)
+    _, g32 = _run(plain32, [ids])
+    _, g64 = _run(plain64, [ids])
+    bad = _judge("tiny qwen3", got, g32, g64)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_whole_decoder_judgement_sees_a_planted_fused_norm_backward():
+    """Control of the test above: the fused add + RMSNorm's reference with its statistic detached."""
+    torch.manual_seed(0)
+    model = TinyQwen3()
+    ids = torch.randint(0, 100, (sum(LENS),), generator=torch.Generator().manual_seed(2))
+    plain32, plain64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    detached = PLANTED["rms_norm"][1]
+
+    def planted(x, r, w, eps):
+        s = (x.float() + r.float()).to(x.dtype)
+        return detached(s, w, eps), s
+    w = MW.wrap_model(model, references={"fused_add_rms_norm": planted}).require_known()
+    _, got = _run(model, [ids], wrapped=w)
+    assert _judge("tiny qwen3", got, _run(plain32, [ids])[1], _run(plain64, [ids])[1])
