@@ -1,0 +1,149 @@
+"""The module-built trainer's weight export (fixtures.vllm.weight_export): a checkpoint stacked as
+vLLM 0.26 loads it and exported back gives the same names and bits, per architecture; the stacked
+layout is vLLM's (q, k, v rows in order; w13 = gate then up); the rule table is what the model
+files in vLLM's source say; a wrong split is caught; an unknown architecture is n/a."""
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fixtures.core.comparison import assert_bitwise
+from fixtures.vllm import fake_modules as V
+from fixtures.vllm import weight_export as WE
+
+HID, HEADS, KV, HD, INTER, VOCAB, E = 32, 4, 2, 8, 48, 100, 4
+
+
+def _config(model_type):
+    return SimpleNamespace(model_type=model_type, hidden_size=HID, num_attention_heads=HEADS, num_key_value_heads=KV,
+                           head_dim=HD, intermediate_size=INTER, vocab_size=VOCAB, q_lora_rank=24, kv_lora_rank=16,
+                           qk_rope_head_dim=8, moe_intermediate_size=12, n_shared_experts=1)
+
+
+def _checkpoint(model_type, g) -> dict[str, torch.Tensor]:
+    """A two-layer checkpoint in transformers naming (layer 1 MoE where the architecture has experts)."""
+    def t(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+    ck = {"model.embed_tokens.weight": t(VOCAB, HID), "model.norm.weight": t(HID), "lm_head.weight": t(VOCAB, HID)}
+    for i in range(2):
+        p = f"model.layers.{i}"
+        ck.update({f"{p}.input_layernorm.weight": t(HID), f"{p}.post_attention_layernorm.weight": t(HID)})
+        if model_type == "deepseek_v3":
+            ck.update({f"{p}.self_attn.q_a_proj.weight": t(24, HID), f"{p}.self_attn.kv_a_proj_with_mqa.weight": t(24, HID),
+                       f"{p}.self_attn.q_a_layernorm.weight": t(24), f"{p}.self_attn.kv_a_layernorm.weight": t(16),
+                       f"{p}.self_attn.q_b_proj.weight": t(HEADS * 16, 24), f"{p}.self_attn.kv_b_proj.weight": t(HEADS * 24, 16),
+                       f"{p}.self_attn.o_proj.weight": t(HID, HEADS * 8)})
+        else:
+            ck.update({f"{p}.self_attn.q_proj.weight": t(HEADS * HD, HID), f"{p}.self_attn.k_proj.weight": t(KV * HD, HID),
+                       f"{p}.self_attn.v_proj.weight": t(KV * HD, HID), f"{p}.self_attn.o_proj.weight": t(HID, HEADS * HD)})
+        if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
+            ck.update({f"{p}.self_attn.q_norm.weight": t(HD), f"{p}.self_attn.k_norm.weight": t(HD)})
+        arch = WE.ARCHITECTURES[model_type]
+        if arch.experts and i == 1:
+            gate, down, up = arch.experts
+            block = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+            ck[f"{p}.{block}.gate.weight"] = t(E, HID)
+            for e in range(E):
+                ck.update({f"{p}.{block}.experts.{e}.{gate}.weight": t(12, HID), f"{p}.{block}.experts.{e}.{up}.weight": t(12, HID),
+                           f"{p}.{block}.experts.{e}.{down}.weight": t(HID, 12)})
+            if model_type == "deepseek_v3":
+                ck.update({f"{p}.mlp.shared_experts.gate_proj.weight": t(12, HID),
+                           f"{p}.mlp.shared_experts.up_proj.weight": t(12, HID),
+                           f"{p}.mlp.shared_experts.down_proj.weight": t(HID, 12)})
+        elif model_type != "mixtral":
+            ck.update({f"{p}.mlp.gate_proj.weight": t(INTER, HID), f"{p}.mlp.up_proj.weight": t(INTER, HID),
+                       f"{p}.mlp.down_proj.weight": t(HID, INTER)})
+    return ck
+
+
+@pytest.mark.parametrize("model_type", sorted(WE.ARCHITECTURES))
+def test_round_trip_gives_the_checkpoints_names_and_bits(model_type):
+    ck = _checkpoint(model_type, torch.Generator().manual_seed(5))
+    params = WE.stack_checkpoint(ck, model_type)
+    assert len(params) < len(ck), "nothing was stacked"
+    assert params["model.embed_tokens.weight"].shape[0] == 128          # padded to 64 rows, as vLLM at TP=1
+    back = WE.export_checkpoint(params, model_type, WE.sizes_from_config(_config(model_type), model_type),
+                                vocab_size=VOCAB)
+    assert sorted(back) == sorted(ck)
+    for name in ck:
+        assert_bitwise(back[name], ck[name], what=f"{model_type} {name}: exported vs checkpoint")
+
+
+def test_the_stacked_layout_is_vllms():
+    """qkv rows are q, k, v; gate_up rows gate, up; w13[e] = gate then up; w2[e] = down (vLLM's shard offsets)."""
+    ck = _checkpoint("qwen3_moe", torch.Generator().manual_seed(6))
+    p = WE.stack_checkpoint(ck, "qwen3_moe")
+    qkv = p["model.layers.0.self_attn.qkv_proj.weight"]
+    assert torch.equal(qkv[:HEADS * HD], ck["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(qkv[HEADS * HD + KV * HD:], ck["model.layers.0.self_attn.v_proj.weight"])
+    gu = p["model.layers.0.mlp.gate_up_proj.weight"]
+    assert torch.equal(gu[INTER:], ck["model.layers.0.mlp.up_proj.weight"])
+    w13 = p["model.layers.1.mlp.experts.routed_experts.w13_weight"]
+    assert w13.shape == (E, 24, HID) and torch.equal(w13[2, :12], ck["model.layers.1.mlp.experts.2.gate_proj.weight"])
+    assert torch.equal(p["model.layers.1.mlp.experts.routed_experts.w2_weight"][3],
+                       ck["model.layers.1.mlp.experts.3.down_proj.weight"])
+
+
+def test_a_wrong_split_is_caught():
+    """Control: k and v sizes swapped for q and k (a wrong split of the same total) gives other
+    bits under the checkpoint's names; sizes that do not add up raise, never a guessed split."""
+    ck = _checkpoint("llama", torch.Generator().manual_seed(7))
+    params = WE.stack_checkpoint(ck, "llama")
+    sizes = WE.sizes_from_config(_config("llama"), "llama")
+    wrong = dict(sizes, **{".qkv_proj": [KV * HD, HEADS * HD, KV * HD]})
+    back = WE.export_checkpoint(params, "llama", wrong, vocab_size=VOCAB)
+    assert back["model.layers.0.self_attn.q_proj.weight"].shape != ck["model.layers.0.self_attn.q_proj.weight"].shape
+    with pytest.raises(ValueError, match="no shard sizes that add up"):
+        WE.export_checkpoint(params, "llama", dict(sizes, **{".qkv_proj": [1, 2, 3]}))
+
+
+def test_sizes_from_the_modules_are_the_configs():
+    m = torch.nn.Module()
+    m.qkv_proj = V.QKVParallelLinear(HID, HD, HEADS, KV)
+    m.gate_up_proj = V.MergedColumnParallelLinear(HID, [INTER, INTER])
+    got = WE.sizes_from_modules(m)
+    cfg = WE.sizes_from_config(_config("qwen3"), "qwen3")
+    assert got == {".qkv_proj": cfg[".qkv_proj"], ".gate_up_proj": cfg[".gate_up_proj"]}
+
+
+def test_an_unknown_architecture_is_na():
+    with pytest.raises(NotImplementedError, match="n/a: no weight-export rule for model type 'falcon'"):
+        WE.stack_checkpoint({}, "falcon")
+
+
+def _vllm_models_dir() -> Path | None:
+    for d in (os.environ.get("VLLM_SRC"), "/work/vllm-src/vllm"):
+        if d and (Path(d) / "model_executor/models/qwen2.py").exists():
+            return Path(d) / "model_executor/models"
+    try:
+        import vllm
+        return Path(vllm.__file__).parent / "model_executor/models"
+    except Exception:
+        return None
+
+
+def _stacked_in_source(path: Path, cls: str) -> set[tuple[str, str, object]]:
+    """`orig_to_new_stacked` of class `cls`'s hf_to_vllm_mapper, read with ast (nothing imported)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for call in ast.walk(node):
+                if isinstance(call, ast.keyword) and call.arg == "orig_to_new_stacked":
+                    d = ast.literal_eval(call.value)
+                    return {(k, v[0], v[1]) for k, v in d.items()}
+    raise AssertionError(f"{cls}.hf_to_vllm_mapper.orig_to_new_stacked not found in {path}")
+
+
+@pytest.mark.parametrize("model_type, file, cls", [
+    ("qwen3", "qwen2.py", "Qwen2Model"), ("llama", "llama.py", "LlamaModel"), ("mixtral", "mixtral.py", "MixtralModel"),
+    ("qwen3_moe", "qwen3_moe.py", "Qwen3MoeModel"), ("gemma3_text", "gemma3.py", "Gemma3Model")])
+def test_the_rule_table_is_what_vllms_model_files_say(model_type, file, cls):
+    models = _vllm_models_dir()
+    if models is None:
+        pytest.skip("vLLM's source is not here (set VLLM_SRC to its vllm/ directory): the table is held to it there")
+    assert set(WE.ARCHITECTURES[model_type].stacked) == _stacked_in_source(models / file, cls)
