@@ -52,35 +52,52 @@ def proxy(model_name, pytestconfig, tmp_path_factory, impl):
     from fixtures.models.checkpoint import checkpoint_spec
     from fixtures.models.proxies import build_engine_dummy, build_proxy
     from fixtures.plugin.collection import model_id
+    from fixtures.runtime.run_state import STATE
     if pytestconfig.getoption("--proxy") == "checkpoint":     # the user's own weights, as they are
         return checkpoint_spec(model_name)
     dummy = pytestconfig.getoption("--proxy-weights") == "engine-dummy"
-    _check_proxy_fits(model_name, pytestconfig.getoption("--proxy"), impl, copies=1 if dummy else 2)
+    experts = pytestconfig.stash[STATE].proxy_experts.get(model_name)     # --proxy-experts, as the controller chose
+    _check_proxy_fits(model_name, pytestconfig.getoption("--proxy"), impl, copies=1 if dummy else 2, experts=experts)
     out = tmp_path_factory.mktemp(f"proxy-{model_id(model_name)}")
     if dummy:
-        return build_engine_dummy(model_name, pytestconfig.getoption("--proxy"), out, dtype=impl.dtype())
+        return build_engine_dummy(model_name, pytestconfig.getoption("--proxy"), out, dtype=impl.dtype(),
+                                  experts=experts)
     return build_proxy(model_name, pytestconfig.getoption("--proxy"), out,
-                       seed=pytestconfig.getoption("--proxy-seed"), dtype=impl.dtype())
+                       seed=pytestconfig.getoption("--proxy-seed"), dtype=impl.dtype(), experts=experts)
 
 
-def _check_proxy_fits(model_name, size, impl, copies: int = 2) -> None:
+def _check_proxy_fits(model_name, size, impl, copies: int = 2, experts: int | None = None) -> None:
     """A proxy the machine cannot hold is "not run" with the numbers, not an out-of-memory kill."""
     import os
     import torch
     from fixtures.models.proxies import proxy_config, source_config, tensor_specs
     if size == "tiny":
         return
-    _, params = tensor_specs(proxy_config(source_config(model_name), size))
+    _, params = tensor_specs(proxy_config(source_config(model_name), size, experts))
     need = params * torch.finfo(impl.dtype()).bits // 8
     if str(impl.device()).startswith("cuda") and torch.cuda.is_available():
         have, where = torch.cuda.mem_get_info()[0], "free GPU memory"
     else:
-        have, where = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "available memory"
+        have, where = _available_memory(), "available memory"
     if copies * need > have:   # the engine and the trainer each hold a copy (engine-dummy: the engine only)
         pytest.skip(f"the {size} proxy of {model_name} has {params / 1e9:.2f}B parameters: "
                     f"{copies * need / 2**30:.1f} GiB for {'engine + trainer' if copies == 2 else 'the engine'} "
                     f"in {impl.dtype()}, "
                     f"{have / 2**30:.1f} GiB {where} (use --proxy tiny on the CPU lane)")
+
+
+def _available_memory() -> int:
+    """What the kernel says a new allocation can have (MemAvailable: free pages plus the page cache it
+    can drop - the proxy files just written sit there); free pages alone where it does not say."""
+    import os
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def skip_not_available(exc: NotImplementedError, what: str):

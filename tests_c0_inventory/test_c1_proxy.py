@@ -72,6 +72,17 @@ def test_experts_exceed_top_k(proxy):
     assert all(e >= top_k + 1 for e in experts), f"experts {experts} must be >= top_k + 1 = {top_k + 1}"
 
 
+def test_reduced_experts_keep_the_routing_shape(proxy, real_config):
+    """A shallow / full proxy with fewer routed experts (--proxy-experts) keeps the widths (checked
+    below), top_k and the expert groups, and has more experts than top_k."""
+    from fixtures.models.reduce import experts_cut_problems
+    cut = getattr(proxy.config, "onpolicy_reduced_experts", None)
+    if not cut:
+        not_applicable("the proxy keeps every routed expert the config has")
+    problems = experts_cut_problems(real_config.to_dict(), proxy.config.to_dict())
+    assert not problems, f"the {proxy.size} proxy's expert cut {cut} broke the routing shape: " + "; ".join(problems)
+
+
 def test_widths_fit_the_lane(proxy, real_config, impl):
     """Narrow widths only on the CPU lane: narrow GEMMs miss the variant kernel paths real widths hit."""
     if proxy.size == "checkpoint":
@@ -81,7 +92,11 @@ def test_widths_fit_the_lane(proxy, real_config, impl):
         if str(impl.device()).startswith("cuda"):
             pytest.fail("a tiny (narrow) proxy on the GPU lane cannot give a GPU verdict: use --proxy shallow or full")
         return
+    from fixtures.models.reduce import EXPERT_KEYS
+    cut = getattr(proxy.config, "onpolicy_reduced_experts", None)    # judged by test_reduced_experts_keep_the_routing_shape
     for key in _WIDTHS:
+        if cut and key in EXPERT_KEYS:
+            continue
         if hasattr(real_config, key):
             assert getattr(proxy.config, key) == getattr(real_config, key), \
                 f"{proxy.size} proxy changed {key}: {getattr(proxy.config, key)} vs real {getattr(real_config, key)}"
@@ -125,7 +140,8 @@ def test_build_is_reproducible(proxy, model_name, tmp_path, impl):
         not_applicable("--proxy checkpoint: no proxy is built, the checkpoint's own weights are tested")
     if proxy.weights_sha256 == ENGINE_DUMMY:
         not_applicable("an engine-dummy proxy (--proxy-weights engine-dummy) writes no weight files")
-    again = build_proxy(model_name, proxy.size, tmp_path / "again", seed=proxy.seed, dtype=impl.dtype())
+    again = build_proxy(model_name, proxy.size, tmp_path / "again", seed=proxy.seed, dtype=impl.dtype(),
+                        experts=proxy.experts)
     assert again.weights_sha256 == proxy.weights_sha256, "same seed gave different weight bytes"
     assert (again.path / "config.json").read_bytes() == (proxy.path / "config.json").read_bytes()
 

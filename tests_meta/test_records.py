@@ -303,10 +303,17 @@ def test_writer_imports_neither_torch_distributed_nor_vllm():
 def test_torchrun_example_judges_green(tmp_path):
     """examples/records_torchrun.py: two gloo ranks, their own data-parallel loop, records judged green."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "examples/records_torchrun.py", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    # its own process group: a timeout ends the launcher and both ranks, no orphan holds the port
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "examples/records_torchrun.py", str(tmp_path)], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        pytest.fail("the two-rank example did not finish in 240 s:\n" + out[-2000:] + err[-3000:])
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
     assert sorted(p.name for p in (tmp_path / "records").glob("rank-*")) == ["rank-00000", "rank-00001"]
     res = run_pytest(f"--records={tmp_path / 'records'}", "--strict-gates", "-m", "C6 or C7 or C9")
     rows = verdict_rows(res.stdout)
