@@ -40,14 +40,14 @@ def test_settings_reach_invariant_workers_only():
 
 
 def test_trainer_process_gets_the_settings(monkeypatch):
+    """The engine-kernel trainer runs vLLM's linear layers in the pytest process: the settings go
+    into that process's environment at configure time (ConfiguresProcess), only with the fix named."""
     from fixtures.vllm.implementation import VLLMImplementation
+    impl = VLLMImplementation(fake="echo", max_idle=0, trainer="engine-kernels")
     monkeypatch.setenv(FX.FIXES_ENV, "cublaslt")
-    impl = VLLMImplementation(fake="echo", max_idle=0)
-    env = impl.process_environment() if impl.process_environment else {}
-    if env:        # the engine-kernel trainer's process (ConfiguresProcess)
-        assert env["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and env["CUBLASLT_WORKSPACE_SIZE"] == "1"
+    assert impl.process_environment() == {"VLLM_BATCH_INVARIANT": "1", **FX.CUBLASLT_ENV}
     monkeypatch.setenv(FX.FIXES_ENV, "all")
-    assert not (set(impl.process_environment()) & set(FX.CUBLASLT_ENV) if impl.process_environment else set())
+    assert impl.process_environment() == {"VLLM_BATCH_INVARIANT": "1"}
 
 
 def test_refused_at_tensor_parallel(monkeypatch):
