@@ -39,6 +39,17 @@ def test_settings_reach_invariant_workers_only():
     assert not {k for k in FX.CUBLASLT_ENV if k in plain}
 
 
+def test_an_engines_own_fixes_bring_the_settings():
+    """An engine whose EngineSettings.extra env names the fix (the side-by-side script's third
+    engine) gets the settings though the parent's --vllm-fixes does not name it."""
+    env = worker_env(EngineSettings(batch_invariant=True, extra={"env": {FX.FIXES_ENV: "cublaslt"}}),
+                     {FX.FIXES_ENV: "none"})
+    assert {k: env.get(k) for k in FX.CUBLASLT_ENV} == FX.CUBLASLT_ENV
+    mine = worker_env(EngineSettings(batch_invariant=True, extra={"env": {FX.FIXES_ENV: "cublaslt",
+                                                                          "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}}), {})
+    assert mine["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8", "what an engine sets itself wins"
+
+
 def test_trainer_process_gets_the_settings(monkeypatch):
     """The engine-kernel trainer runs vLLM's linear layers in the pytest process: the settings go
     into that process's environment at configure time (ConfiguresProcess), only with the fix named."""
