@@ -229,7 +229,11 @@ def test_gate_end_to_end_on_the_fake_worker(tmp_path):
     names = {m["name"] for m in json.loads((report / "report.json").read_text())["metrics"]}
     assert {"throughput_ratio", "throughput_on_tok_s", "throughput_off_tok_s", "rollout_workload",
             "rollout_cuda_graphs", "rollout_tokens_generated", "throughput_on_seconds",
-            "throughput_off_seconds"} <= names
+            "throughput_off_seconds", "throughput_ratio_rounds", "rollout_preemptions_on", "rollout_preemptions_off",
+            "rollout_workload_fit"} <= names
+    metrics = {m["name"]: m["value"] for m in json.loads((report / "report.json").read_text())["metrics"]}
+    assert metrics["throughput_ratio_rounds"].startswith("min 0.250 / median 0.250 / max 0.250 over 3 rounds")
+    assert metrics["rollout_workload_fit"].startswith("as given (--rollout-workload)")
 
 
 def test_side_by_side_script_runs_three_engines(monkeypatch, capsys):
@@ -282,3 +286,77 @@ def test_kernel_ranking_orders_by_device_time_and_counts_every_kernel():
               E(key="cpu_op", count=9, self_device_time_total=0.0), E(key="c", count=2, self_cuda_time_total=7.0)]
     got = rank_kernels(events, top=2)
     assert got == {"top": [["b", 1, 50.0], ["c", 2, 7.0]], "total_us": 62.0, "kernels": 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# C10 sized to the card: the workload fitted to the KV cache, rounds alternating the sides
+# ---------------------------------------------------------------------------------------------
+def test_workload_fits_the_smallest_kv_cache():
+    """256 prompts x 4 samples, 256 + 128 tokens each: 256 running sequences (max_num_seqs) need
+    98,304 tokens; a 65,536-token cache holds 170 of them, so 42 prompts (168 sequences)."""
+    from fixtures.checks.throughput import fit_to_kv_cache
+    small = {"tokens": 65536, "block_size": 16, "max_num_seqs": 256}
+    big = {"tokens": 1 << 20, "block_size": 16, "max_num_seqs": 256}
+    w, note = fit_to_kv_cache(ROLLOUT_ACCELERATOR, [big, small])
+    assert w == RolloutWorkload(42, 256, 128, 4) and "256 -> 42 prompts" in note and "65536 tokens" in note
+    assert fit_to_kv_cache(ROLLOUT_ACCELERATOR, [big]) == (ROLLOUT_ACCELERATOR, fit_to_kv_cache(
+        ROLLOUT_ACCELERATOR, [big])[1]) and fit_to_kv_cache(ROLLOUT_ACCELERATOR, [big])[1].startswith("fits")
+    odd, _ = fit_to_kv_cache(RolloutWorkload(8, 250, 10, 1), [{"tokens": 5 * 272, "block_size": 16, "max_num_seqs": 8}])
+    assert odd.prompts == 5, "a sequence takes whole blocks: 260 tokens -> 272"
+    with pytest.raises(ValueError, match="not even one prompt's 4 samples"):
+        fit_to_kv_cache(ROLLOUT_ACCELERATOR, [{"tokens": 1000, "block_size": 16, "max_num_seqs": 256}])
+    assert fit_to_kv_cache(SMALL, [])[0] == SMALL
+
+
+class PreemptingEngine(ClockedEngine):
+    """A ClockedEngine whose clock drifts by `drift` per call and which reports `preempt` preemptions a run."""
+
+    def __init__(self, spt, *, drift=0.0, preempt=0):
+        super().__init__(spt)
+        self.drift, self.preempt = drift, preempt
+
+    def generate(self, requests):
+        out = super().generate(requests)
+        self.spt *= 1 + self.drift
+        self._stats = EngineStats(steps=3, preemptions=self.preempt, generate_seconds=self._stats.generate_seconds)
+        return out
+
+
+def test_rounds_alternate_the_sides_and_report_the_spread():
+    """Round i times stock, then invariance on, on run i's prompts; the ratio is the median of the
+    rounds' ratios, its spread and both sides' preemptions reported; a drifting invariant engine shows
+    as spread."""
+    from fixtures.checks.throughput import time_rounds
+    order = []
+    on, off = PreemptingEngine(2e-4, drift=0.5, preempt=3), PreemptingEngine(1e-4, preempt=1)
+    for name, eng in (("on", on), ("off", off)):
+        real = eng.generate
+        eng.generate = lambda reqs, real=real, name=name: (order.append((name, reqs[0].request_id)), real(reqs))[1]
+    r = time_rounds(on, off, SMALL, 1000, cuda_graphs=False, rounds=3)
+    assert [n for n, _ in order] == ["off", "on"] * 3
+    assert order[0][1] == order[1][1] and order[0][1] != order[2][1], "both sides of a round time the same prompts"
+    assert r.ratios == pytest.approx([0.5, 0.5 / 1.5, 0.5 / 2.25])
+    assert r.spread() == pytest.approx((0.5 / 2.25, 0.5 / 1.5, 0.5))
+    assert r.preemptions(True) == 9 and r.preemptions(False) == 3
+    assert "min 0.222 / median 0.333 / max 0.500" in r.describe() and "preemptions on 9, off 3" in r.describe()
+    got = throughput_metrics(SMALL, r.best(True), r.best(False), r, "fits")
+    assert got["throughput_ratio"] == 0.333 and got["rollout_preemptions_on"] == 9
+    assert got["throughput_ratio_rounds"].startswith("min 0.222 / median 0.333 / max 0.500 over 3 rounds")
+    assert got["rollout_workload_fit"] == "fits"
+    with pytest.raises(AssertionError, match="throughput ratio 0.333 below --min-throughput-ratio 0.5.*min 0.222"):
+        check_ratio(r.best(True), r.best(False), 0.5, SMALL, r)
+
+
+def test_fake_engine_reports_its_kv_cache(tmp_path):
+    from fixtures.core.contract import EngineSettings, ReportsKVCache
+    from fixtures.vllm.implementation import VLLMImplementation
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000, "eos_token_id": 7}))
+    impl = VLLMImplementation(fake="echo", max_idle=0)
+    try:
+        with impl.make_engine(d, EngineSettings(kv_cache_blocks=64)) as eng:
+            assert isinstance(eng, ReportsKVCache)
+            assert eng.kv_cache_capacity() == {"tokens": 64 * 16, "block_size": 16, "max_num_seqs": 256}
+    finally:
+        impl.pool.close_all()

@@ -163,7 +163,7 @@ def test_vllm_engine_capabilities(tmp_path):
     with impl.make_engine(d) as lease:
         have = C.capabilities_of(lease, C.ENGINE_CAPABILITIES)
         assert have == ["ResetsPrefixCache", "RecordsRows", "RecordsModuleOutputs", "InventoriesKernels",
-                        "HasTensorParallel"], have       # the fake worker's runner is no V1/V2: names no sampler
+                        "HasTensorParallel", "ReportsKVCache"], have       # the fake worker's runner is no V1/V2: names no sampler
         assert lease.tensor_parallel_size == 1 and lease.module_naming == "vllm" and lease.sampler is None
     impl.pool.close_all()
 
