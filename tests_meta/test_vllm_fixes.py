@@ -39,6 +39,13 @@ def test_option_canonical_form(text, want):
                               else tuple(n for n in FX.FIXES if n in want))
 
 
+def test_all_with_a_fix_it_leaves_out():
+    """`all,cublaslt`: the pack and a fix not (yet) in it, in registry order."""
+    assert _fixes("cublaslt, all") == "all,cublaslt"
+    pack = tuple(n for n, f in FX.FIXES.items() if f.in_all)
+    assert "cublaslt" not in pack and FX.parse("all,cublaslt") == tuple(n for n in FX.FIXES if n in pack + ("cublaslt",))
+
+
 @pytest.mark.parametrize("text", ["bogus", "fused_add_rms_norm,bogus", "none,compiled", ""])
 def test_unknown_fix_is_refused(text):
     with pytest.raises(ValueError, match="expected none, all"):
