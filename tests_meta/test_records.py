@@ -333,3 +333,9 @@ def test_the_drive_command_writes_records_pytest_judges_green(tmp_path):
                           str(tmp_path / "x")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 4 and bad.stderr.startswith("ERROR: --model no/such/dir") and \
         len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_a_records_run_names_no_chain_it_could_not_run(clean):
+    res = run_pytest(f"--records={clean}", "-m", "C7")
+    assert res.returncode == 0 and verdict_rows(res.stdout).get("C7") == "PASS", res.stdout[-2000:]
+    assert "earlier gates not run" not in res.stdout, res.stdout[-2000:]
