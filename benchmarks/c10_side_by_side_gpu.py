@@ -8,8 +8,12 @@ Why a script and not the gate: the third configuration is the vLLM adapter's own
 Each engine is measured as C10 measures one (fixtures.checks.throughput.time_rollout: a warm-up,
 then the fastest of two timed runs, CUDA graphs on where the engine has them, the engine's own
 clock), one engine at a time, and the three are measured `--rounds` times in turn so a drift of
-the machine shows as spread rather than as a ratio. Run it alone on the GPU (not beside a pytest
-run: other work on the device skews tok/s).
+the machine shows as spread rather than as a ratio: each ratio is the median of its per-round
+ratios, printed with their min and max. The workload is fitted to the KV cache the first engine
+reports, as C10 fits its own (fixtures.checks.throughput.fit_to_kv_cache: the sequences that run at
+once fit at full length, so no preemption storm is measured as throughput; `--no-fit` keeps it as
+given and the table shows the preemptions). Run it alone on the GPU (not beside a pytest run:
+other work on the device skews tok/s).
 
     VLLM_USE_FLASHINFER_SAMPLER=0 python benchmarks/c10_side_by_side_gpu.py --model qwen3 --proxy shallow
     ... --model qwen3 --proxy full --proxy-weights engine-dummy        # full depth, vLLM's dummy weights
@@ -52,9 +56,11 @@ def model_dir(args, tmp: Path) -> Path:
 
 
 def measure(path: Path, workload, *, rounds: int, fake: str | None, fixes_all: str,
-            kv_bytes: int | None = None, profile_top: int = 0, profiles: dict | None = None) -> dict[str, list]:
-    """Each engine's Throughput per round; with `profile_top`, `profiles[name]` gets its kernels by
-    device time from one more (untimed) rollout of the last round (fixtures.vllm.kernel_profile)."""
+            kv_bytes: int | None = None, profile_top: int = 0, profiles: dict | None = None,
+            fit: bool = True) -> tuple[dict[str, list], object, str]:
+    """(each engine's Throughput per round, the workload run, how it was fitted); with
+    `profile_top`, `profiles[name]` gets its kernels by device time from one more (untimed)
+    rollout of the last round (fixtures.vllm.kernel_profile)."""
     from fixtures.checks.throughput import time_rollout
     from fixtures.core.contract import EngineSettings
     from fixtures.vllm.client import VLLMEngine
@@ -63,12 +69,17 @@ def measure(path: Path, workload, *, rounds: int, fake: str | None, fixes_all: s
     out: dict[str, list] = {name: [] for name, _, _ in CONFIGS}
     # one eager start says whether the engine has CUDA graphs; an engine of the three that then
     # does not run the graphs asked for fails its start (VLLMResolutionError), never a quiet eager run
-    engine = VLLMEngine(path, EngineSettings(batch_invariant=False, extra={"env": {"CONFORMANCE_VLLM_FIXES": "none"}}),
-                        fake=fake)
+    from fixtures.checks.throughput import fit_to_kv_cache
+    from fixtures.core.contract import ReportsKVCache
+    probe_extra = {"env": {"CONFORMANCE_VLLM_FIXES": "none"}} | ({"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {})
+    engine = VLLMEngine(path, EngineSettings(batch_invariant=False, extra=probe_extra), fake=fake)
     try:
         graphs = bool(engine.capabilities().cuda_graphs)
+        capacity = [dict(engine.kv_cache_capacity())] if isinstance(engine, ReportsKVCache) else []
     finally:
         engine.close()
+    workload, fitted = fit_to_kv_cache(workload, capacity) if fit else (workload, "as given (--no-fit)")
+    print(f"workload {workload.describe()}: {fitted}", file=sys.stderr, flush=True)
     for _ in range(rounds):
         for name, invariant, fixes in CONFIGS:
             env = {"CONFORMANCE_VLLM_FIXES": fixes_all if fixes == "all" else "none"}
@@ -84,21 +95,27 @@ def measure(path: Path, workload, *, rounds: int, fake: str | None, fixes_all: s
             finally:
                 engine.close()
             print(f"{name}: {out[name][-1].describe()}", file=sys.stderr, flush=True)    # kept if the run is cut
-    return out
+    return out, workload, fitted
 
 
-def table(results: dict[str, list], workload) -> str:
-    stock = max(m.tokens_per_s for m in results[CONFIGS[0][0]])
-    lines = [f"workload: {workload.describe()}", "",
-             "| engine | tok/s (best of rounds) | every round | ratio to stock | steps / graph replays | "
-             "most sequences in a step / preemptions |",
+def table(results: dict[str, list], workload, fitted: str = "") -> str:
+    """The markdown table: per engine the median tok/s, every round's, the ratio to stock as the
+    median of the per-round ratios (stock of the same round) with its min and max, and the steps,
+    graph replays, most sequences in a step and preemptions of its median round."""
+    import statistics
+    stock = results[CONFIGS[0][0]]
+    lines = [f"workload: {workload.describe()}" + (f" ({fitted})" if fitted else ""), "",
+             "| engine | tok/s (median of rounds) | every round | ratio to stock: median (min - max) | "
+             "steps / graph replays | most sequences in a step / preemptions |",
              "|---|---|---|---|---|---|"]
     for name, _, _ in CONFIGS:
         ms = results[name]
-        best = max(ms, key=lambda m: m.tokens_per_s)
-        lines.append(f"| {name} | {best.tokens_per_s:,.0f} | {', '.join(f'{m.tokens_per_s:,.0f}' for m in ms)} | "
-                     f"{best.tokens_per_s / stock:.3f} | {best.steps} / {best.graph_steps} | "
-                     f"{best.max_running} / {best.preemptions} |")
+        ratios = [m.tokens_per_s / s.tokens_per_s for m, s in zip(ms, stock)]
+        mid = sorted(ms, key=lambda m: m.tokens_per_s)[(len(ms) - 1) // 2]
+        lines.append(f"| {name} | {statistics.median(m.tokens_per_s for m in ms):,.0f} | "
+                     f"{', '.join(f'{m.tokens_per_s:,.0f}' for m in ms)} | {statistics.median(ratios):.3f} "
+                     f"({min(ratios):.3f} - {max(ratios):.3f}) | {mid.steps} / {mid.graph_steps} | "
+                     f"{mid.max_running} / {sum(m.preemptions for m in ms)} over the rounds |")
     return "\n".join(lines)
 
 
@@ -106,7 +123,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(ap)
     ap.add_argument("--rollout-workload", default="256,256,128,4", help="PROMPTS,IN,OUT,N as C10's option")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-fit", action="store_true",
+                    help="keep the workload as given even where the KV cache cannot hold its running sequences")
     ap.add_argument("--fixes", default="all", help="what the third engine installs (--vllm-fixes spelling)")
     ap.add_argument("--profile-top", type=int, default=0,
                     help="after the timed runs, one more rollout per engine under the profiler: its N kernels by "
@@ -133,9 +152,10 @@ def main(argv=None) -> int:
         path = model_dir(args, Path(tmp))
         kv = int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None
         profiles: dict = {}
-        results = measure(path, workload, rounds=args.rounds, fake=args.fake, fixes_all=args.fixes, kv_bytes=kv,
-                          profile_top=args.profile_top, profiles=profiles)
-    print(table(results, workload))
+        results, workload, fitted = measure(path, workload, rounds=args.rounds, fake=args.fake, fixes_all=args.fixes,
+                                            kv_bytes=kv, profile_top=args.profile_top, profiles=profiles,
+                                            fit=not args.no_fit)
+    print(table(results, workload, fitted))
     from fixtures.vllm.kernel_profile import table as kernel_table
     for name, profile in profiles.items():
         print("\n" + kernel_table(name, profile))

@@ -262,6 +262,28 @@ def test_side_by_side_script_runs_three_engines(monkeypatch, capsys):
     assert mod.main(["--rounds", "0"]) == 2
 
 
+def test_side_by_side_ratios_are_per_round_medians_with_their_spread():
+    """The table's ratio is the median of the per-round ratios (stock of the same round), with min
+    and max: a drifting machine shows as spread, not as a ratio."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace as T
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "c10_side_by_side_gpu.py"
+    spec = importlib.util.spec_from_file_location("c10_side_by_side_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def runs(*tok):
+        return [T(tokens_per_s=t, steps=10, graph_steps=9, max_running=8, preemptions=1) for t in tok]
+    names = [n for n, _, _ in mod.CONFIGS]
+    out = mod.table({names[0]: runs(100, 200, 100), names[1]: runs(80, 100, 90), names[2]: runs(90, 180, 95)},
+                    T(describe=lambda: "w"), "fits")
+    rows = {r.split(" | ")[0][2:]: r for r in out.splitlines() if r.startswith("| ") and "tok/s" not in r}
+    assert "| 0.800 (0.500 - 0.900) |" in rows["invariance on"], out        # ratios 0.8, 0.5, 0.9
+    assert "| 0.900 (0.900 - 0.950) |" in rows["invariance on + fixes"], out  # 0.9, 0.9, 0.95
+    assert "3 over the rounds" in rows["stock (invariance off)"] and "w (fits)" in out
+
+
 def test_side_by_side_profiles_each_engine_after_its_timed_runs(capsys):
     """--profile-top: one more rollout per engine under the profiler, its kernels by device time
     printed per engine (the fake worker's two canned kernels); a negative count is a usage error."""
