@@ -339,3 +339,40 @@ def test_a_records_run_names_no_chain_it_could_not_run(clean):
     res = run_pytest(f"--records={clean}", "-m", "C7")
     assert res.returncode == 0 and verdict_rows(res.stdout).get("C7") == "PASS", res.stdout[-2000:]
     assert "earlier gates not run" not in res.stdout, res.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# optional top-k rows: compared where both sides recorded them
+# ---------------------------------------------------------------------------------------------
+def _with_topk(tmp_path, *, trainer_ids=None, trainer_lps=None) -> Path:
+    ids = np.array([[5, 9, 2]] * 40, np.int64)
+    lps = np.tile(np.array([-0.5, -1.5, -2.25], np.float32), (40, 1))
+    sampled = np.full(40, -0.5, np.float32)
+    with RecordWriter(tmp_path) as w:
+        w.rollout(step=1, id="s", prompt_ids=list(range(260)), token_ids=[5] * 40, logprobs=sampled,
+                  sampling={"temperature": 1.0}, weight_version=0, engine={"step_tokens": [300]}, topk=(ids, lps))
+        w.trainer_pass(step=1, composition="packed", weight_version=0, layout="packed", micro_batches=[["s"]],
+                       logprobs={"s": sampled}, topk={"s": (ids if trainer_ids is None else trainer_ids,
+                                                          lps if trainer_lps is None else trainer_lps)})
+    return tmp_path
+
+
+def test_topk_rows_are_compared_where_both_sides_recorded_them(tmp_path):
+    assert judge.judge_parity(load_records(_with_topk(tmp_path / "same")))["topk_rows_compared"] == 40
+    lps = np.tile(np.array([-0.5, -1.5, -2.25], np.float32), (40, 1))
+    lps[7, 2] = np.nextafter(lps[7, 2], np.float32(0))
+    with pytest.raises(AssertionError, match="top-k logprobs.*\\n.*1 ULP apart"):
+        judge.judge_parity(load_records(_with_topk(tmp_path / "ulp", trainer_lps=lps)))
+    ids = np.array([[5, 9, 2]] * 40, np.int64)
+    ids[3] = [5, 2, 9]
+    with pytest.raises(AssertionError, match="top-k token ids"):
+        judge.judge_parity(load_records(_with_topk(tmp_path / "order", trainer_ids=ids)))
+
+
+def test_bad_topk_rows_are_one_line(tmp_path):
+    d = _with_topk(tmp_path)
+    index = d / "rank-00000" / "records.jsonl"
+    first, *rest = index.read_text().splitlines()
+    index.write_text("\n".join([json.dumps({**json.loads(first), "topk": 4})] + rest) + "\n")
+    with pytest.raises(RecordsError, match="topk_ids: expected int64 \\[40, 4\\], got int64 \\[40, 3\\]"):
+        load_records(d)
