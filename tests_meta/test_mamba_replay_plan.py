@@ -315,7 +315,7 @@ def _run(mixer, Q, seqs, data, mode="replay", reference=True):
 
 
 @given(sched=schedules(), data=st.data())
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=100, deadline=None)
 def test_plan_follows_the_reference_and_every_schedule_gives_the_unsplit_bits(sched, data):
     Q, seqs = sched
     mixer = _mixer(Q)
