@@ -46,6 +46,67 @@ def test_all_with_a_fix_it_leaves_out():
     assert "cublaslt" not in pack and FX.parse("all,cublaslt") == tuple(n for n in FX.FIXES if n in pack + ("cublaslt",))
 
 
+def test_mamba2_is_named_only_and_refused_with_one_line(monkeypatch):
+    """`mamba2` (issue #47) is planned, not built: not in `all`, and with VLLM_BATCH_INVARIANT=1 its
+    install refuses with one line naming what exists and the next step, in the engine and the
+    trainer alike (never a silent no-op); a stock control reports it not installed."""
+    assert "mamba2" not in FX.parse("all") and FX.parse("all,mamba2")[-1] == "mamba2"
+    assert _fixes("mamba2,all") == "all,mamba2"
+    fix = FX.FIXES["mamba2"]
+    assert not fix.in_all and fix.patches and fix.in_trainer and fix.case is None
+    _fake_mamba2_backend(monkeypatch, type("Mamba2AttentionBackend", (), {
+        "supports_batch_invariance": classmethod(lambda cls: False)}))          # as vLLM 0.26's
+    assert fix.needed()[0] is True
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    for where in ("engine", "trainer", "kernels"):
+        with pytest.raises(NotImplementedError) as err:
+            FX.install(("mamba2",), where=where)
+        assert str(err.value) == FX.MAMBA2_REFUSAL and "\n" not in str(err.value)
+        assert "fixtures/vllm/mamba_replay_plan.py" in str(err.value) and "step E.1" in str(err.value)
+    assert FX.installed() == ()
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert FX.install(("mamba2",))["mamba2"].startswith("not installed")
+    monkeypatch.setenv(FX.FIXES_ENV, "mamba2")
+    with pytest.raises(RuntimeError, match="mamba2: not available at tensor_parallel_size=2"):
+        FX.install_in_engine({"tensor_parallel_size": 2})
+
+
+def _fake_mamba2_backend(monkeypatch, cls):
+    import types
+    names = ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends", "vllm.v1.attention.backends.mamba2_attn")
+    mods = {n: types.ModuleType(n) for n in names}
+    for parent, child in zip(names, names[1:]):
+        setattr(mods[parent], child.rsplit(".", 1)[1], mods[child])
+    mods[names[-1]].Mamba2AttentionBackend = cls
+    for n, m in mods.items():
+        monkeypatch.setitem(sys.modules, n, m)
+
+
+def test_mamba2_needed_reads_the_backend(monkeypatch):
+    """needed(): True while vLLM's Mamba2AttentionBackend lacks batch invariance (no method, or it
+    returns False: vLLM 0.26), False once it declares it; unknown without vLLM, which it then does
+    not import (nor leave half-imported)."""
+    monkeypatch.setitem(sys.modules, "vllm", None)          # vLLM absent: the import fails, nothing is loaded
+    need, why = FX.FIXES["mamba2"].needed()
+    assert need is None and why.startswith("unknown: vLLM not importable")
+    assert "vllm.v1.attention.backends.mamba2_attn" not in sys.modules
+
+    class Stock:                                            # vLLM 0.26: inherited from AttentionBackend
+        @classmethod
+        def supports_batch_invariance(cls):
+            return False
+
+    class Declared(Stock):
+        @classmethod
+        def supports_batch_invariance(cls):
+            return True
+
+    for cls, want in ((Stock, True), (type("Old", (), {}), True), (Declared, False)):
+        _fake_mamba2_backend(monkeypatch, cls)
+        need, why = FX.FIXES["mamba2"].needed()
+        assert need is want and "Mamba2AttentionBackend" in why, (cls, why)
+
+
 @pytest.mark.parametrize("text", ["bogus", "fused_add_rms_norm,bogus", "none,compiled", ""])
 def test_unknown_fix_is_refused(text):
     with pytest.raises(ValueError, match="expected none, all"):
