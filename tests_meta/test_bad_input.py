@@ -79,6 +79,8 @@ def test_unknown_hypothesis_profile(project, tmp_path, monkeypatch, how, one_err
     (["--xfails", "no_such_file.txt"], "--xfails no_such_file.txt: no such file"),
     (["--upto", "C99"], "unknown gate 'C99'"),
     (["--model=no_such_recipe"], "no such directory"),
+    (["--proxy-experts", "4"], "--proxy-experts 4: cuts the experts of a shallow or full proxy; --proxy tiny"),
+    (["--proxy-experts", "many"], "--proxy-experts many: expected auto or a whole number"),
 ])
 def test_a_refused_run_leaves_no_report_folder(project, tmp_path, args, needle, one_error_line):
     rep = tmp_path / "rep"
