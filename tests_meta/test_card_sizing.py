@@ -50,14 +50,14 @@ def test_the_controller_starts_only_the_workers_that_fit(monkeypatch, fake_vllm_
     opts = types.SimpleNamespace(numprocesses=4, tx=["popen"] * 4, trainer_micro_batch_tokens=None)
     config = types.SimpleNamespace(option=opts, getoption=lambda name, default=None: getattr(opts, name, default))
     state = RunState()
-    session._fit_workers_to_the_card(config, state, [(fp, cfg)])
+    session._fit_workers_to_the_card(config, state, session._the_card(config), [(fp, cfg)])
     assert opts.numprocesses == 1 and opts.tx == ["popen"]
     assert state.sizing.startswith("4 workers asked, 1 runs")
     # the header's budget line is the workers that run, though the implementation was made before the cut
     assert "1 worker sharing it = 0.85 each" in fake_vllm_impl.describe()["gpu_memory_budget"]
     monkeypatch.setattr(S, "first_device", lambda: None)       # no GPU to read: nothing changes
     opts.numprocesses, opts.tx = 4, ["popen"] * 4
-    session._fit_workers_to_the_card(config, {}, [(fp, cfg)])
+    session._fit_workers_to_the_card(config, {}, session._the_card(config), [(fp, cfg)])
     assert opts.numprocesses == 4
 
 

@@ -116,7 +116,7 @@ def test_auto_cuts_the_experts_to_fit_the_card(monkeypatch):
     config = types.SimpleNamespace(option=opts, getoption=lambda name, default=None: getattr(opts, name, default))
     experts = {}
     state = RunState(impl=types.SimpleNamespace(dtype=lambda: torch.bfloat16))
-    assert session._fit_experts_to_the_card(config, state, sources, "shallow", sized, experts)
+    assert session._fit_experts_to_the_card(session._the_card(config), state, sources, "shallow", sized, experts)
     fp = footprint("deepseek_v3", proxy_config(sources[model], "shallow", experts[model]), "shallow", torch.bfloat16)
     need = S.worker_need(fp.bytes, cfg.vocab_size, 8192).total
     assert 16 <= experts[model] < 256 and need <= 0.85 * (81559 << 20)
