@@ -78,26 +78,15 @@ def _check_proxy_fits(model_name, size, impl, copies: int = 2, experts: int | No
     if str(impl.device()).startswith("cuda") and torch.cuda.is_available():
         have, where = torch.cuda.mem_get_info()[0], "free GPU memory"
     else:
-        have, where = _available_memory(), "available memory"
+        from fixtures.core.environment import host_available_bytes
+        # MemAvailable, not free pages: the proxy files just written sit in the page cache it can drop
+        have = host_available_bytes() or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        where = "available memory"
     if copies * need > have:   # the engine and the trainer each hold a copy (engine-dummy: the engine only)
         pytest.skip(f"the {size} proxy of {model_name} has {params / 1e9:.2f}B parameters: "
                     f"{copies * need / 2**30:.1f} GiB for {'engine + trainer' if copies == 2 else 'the engine'} "
                     f"in {impl.dtype()}, "
                     f"{have / 2**30:.1f} GiB {where} (use --proxy tiny on the CPU lane)")
-
-
-def _available_memory() -> int:
-    """What the kernel says a new allocation can have (MemAvailable: free pages plus the page cache it
-    can drop - the proxy files just written sit there); free pages alone where it does not say."""
-    import os
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def skip_not_available(exc: NotImplementedError, what: str):
