@@ -299,11 +299,13 @@ def main(argv=None) -> int:
         for name, resolved in args.models:
             r = measure_model(name, resolved, args, Path(tmp))
             results.append(r)
-            print(f"{name}: done ({r.get('error') or ('n/a layers' if r.get('na') else 'measured')})",
-                  file=sys.stderr, flush=True)
+            # each model's row and the JSON as soon as it is measured: a run killed later keeps them
+            # (on 2026-12-06 a hang in the third model lost the first two's numbers)
+            print(f"{name}: done ({r.get('error') or ('n/a layers' if r.get('na') else 'measured')})\n"
+                  f"{table([r])}", file=sys.stderr, flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     print(table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return 0
 
 
