@@ -335,6 +335,16 @@ def test_the_drive_command_writes_records_pytest_judges_green(tmp_path):
         len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
+def test_the_drive_command_says_not_run_in_one_line_where_the_stack_cannot_run(tmp_path):
+    """The vLLM implementation on a machine without CUDA: one line naming why, exit 3, no traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-m", "fixtures.records.drive", "--impl", "vllm-engine-kernels", "--model",
+                          "llama", "--out", str(tmp_path / "r")], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 3 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1].startswith("NOT RUN: n/a:"), run.stderr[-2000:]
+
+
 def test_a_records_run_names_no_chain_it_could_not_run(clean):
     res = run_pytest(f"--records={clean}", "-m", "C7")
     assert res.returncode == 0 and verdict_rows(res.stdout).get("C7") == "PASS", res.stdout[-2000:]
