@@ -12,6 +12,13 @@ recorded as `error: <one line>` and the others go on. Widths are Nemotron-H's Ma
 - ssd_packed (E.1 i): several sequences packed in one varlen call = each alone (outputs and final
   states); packed in the reverse order; a zero initial state passed as a tensor = None.
 - ssd_rerun (E.1 v): the same call twice in this process.
+- replay (E.3, C.2 iv): the replay driver (fixtures/vllm/mamba_replay_driver.py, design B.3) with
+  this kernel: sequences fed in engine steps (a fixed schedule with splits = Q-1, 1, 0 mod Q and
+  decodes across a boundary, then `--replay-schedules` seeded drawn ones: prefill pieces of drawn
+  sizes, decode steps of 1, drawn requests per step, drawn cache slots) = one unsplit call per
+  sequence from a zero fp32 state (every token's output, stored fp32; the fp32 boundary state after every
+  step = the unsplit call's state at that boundary); the stock mid-chunk continuation (a logical
+  chunk from the cut, the fp32 state after the last token) as the control that must differ.
 - ssd_two_process (E.1 v): the same call in a subprocess of this script (`--child`), which
   autotunes the SSD kernels afresh; the autotuner's choices of both processes are recorded.
 - conv (E.2): `causal_conv1d_update` token by token = `causal_conv1d_fn` over the sequence from the
@@ -37,7 +44,7 @@ VLLM_BATCH_INVARIANT=1 is set before vLLM is imported (as the suite runs the eng
 fused-MoE Triton config), 0 with `--stock`; the table's header says which. The SSD kernels
 autotune on first use, once per chunk size (tens of seconds each; the child of ssd_two_process
 does it again). The probes run at the first chunk size in the order of `PROBES` (the two-process
-one last), then ssd_prefix, ssd_packed, ssd_rerun and ssu at the other chunk sizes; once
+one last), then ssd_prefix, ssd_packed, ssd_rerun, replay and ssu at the other chunk sizes; once
 `--budget-s` seconds have passed (from the start, vLLM's import included) the remaining probes
 are recorded as skipped. The JSON is rewritten after every probe, so a run cut short keeps what
 it measured.
@@ -65,8 +72,8 @@ sys.path.insert(0, str(ROOT))
 
 NHEADS, HEADDIM, DSTATE, NGROUPS, CONV_WIDTH = 128, 64, 128, 8, 4     # Nemotron-H's mixer
 CONV_DIM = NHEADS * HEADDIM + 2 * NGROUPS * DSTATE
-PROBES = ("ssd_prefix", "ssd_packed", "ssd_rerun", "conv", "ssu", "fp8_linear", "fp8_moe", "ssd_two_process")
-PER_CHUNK = ("ssd_prefix", "ssd_packed", "ssd_rerun", "ssu")   # also run for the other chunk sizes
+PROBES = ("ssd_prefix", "ssd_packed", "ssd_rerun", "replay", "conv", "ssu", "fp8_linear", "fp8_moe", "ssd_two_process")
+PER_CHUNK = ("ssd_prefix", "ssd_packed", "ssd_rerun", "replay", "ssu")   # also run for the other chunk sizes
 FP8_SIZES = (1, 16, 17, 64, 65, 128, 129, 256, 1024, 4096)
 FP8_SHAPES = ((4096, 4096), (12288, 4096))
 MOE_SIZES = (1, 7, 64, 255, 256, 257, 1024)
@@ -74,6 +81,7 @@ MOE_HIDDEN, MOE_INTERMEDIATE = 2048, 768
 MOE_A2_SCALE = 0.02     # the static intermediate scale: a guess at absmax / 448 (saturation is harmless here)
 SSU_BATCHES = (1, 2, 8, 64, 256)
 SSU_STEPS = 8
+REPLAY_DECODE = 12      # decode steps per sequence at most, in the drawn replay schedules
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,6 +108,8 @@ def parse_args(argv) -> argparse.Namespace:
                     help="SSD chunk sizes, powers of two (Nemotron-H 128, Mamba2 256); the first is the main one")
     ap.add_argument("--seed", type=int, default=0, help="the inputs' seed")
     ap.add_argument("--moe", default="8x2,64x8", help="fused-MoE experts x top_k, comma-separated")
+    ap.add_argument("--replay-schedules", type=int, default=4,
+                    help="drawn schedules of the replay probe per chunk size, besides its fixed one (0..100)")
     ap.add_argument("--budget-s", type=float, default=120.0,
                     help="start no probe after this many seconds (the rest are recorded as skipped)")
     ap.add_argument("--stock", action="store_true", help="VLLM_BATCH_INVARIANT=0 instead of 1")
@@ -127,6 +137,8 @@ def parse_args(argv) -> argparse.Namespace:
         args.moe_list.append((e, k))
     if not args.moe_list:
         raise ValueError("--moe: expected at least one EXPERTSxTOPK")
+    if not 0 <= args.replay_schedules <= 100:
+        raise ValueError(f"--replay-schedules {args.replay_schedules}: expected 0..100")
     if not args.budget_s > 0:
         raise ValueError("--budget-s: expected a positive number of seconds")
     if args.json and not Path(args.json).resolve().parent.is_dir():
@@ -318,11 +330,11 @@ def _prefix(seq: dict, n: int) -> dict:
     return {k: v[:n] for k, v in seq.items()}
 
 
-def scan(seqs: list, params: dict, Q: int, inits=None, intermediate: bool = False):
+def scan(seqs: list, params: dict, Q: int, inits=None, intermediate: bool = False, out_dtype=None):
     """vLLM's mamba_chunk_scan_combined_varlen over the sequences packed, each from position 0,
     as MambaMixer2.conv_ssm_forward calls it (dt_softplus, dt_limit (0, inf), fp32 state). The
     chunk metadata is the builder's for requests with nothing computed
-    (fixtures.vllm.mamba_replay_plan.plan). Returns (out [T, H, P], states)."""
+    (fixtures.vllm.mamba_replay_plan.plan). Returns (out [T, H, P] in out_dtype, default x's, states)."""
     import torch
     from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
     from fixtures.vllm.mamba_replay_plan import plan
@@ -330,7 +342,7 @@ def scan(seqs: list, params: dict, Q: int, inits=None, intermediate: bool = Fals
     lens = [s["x"].shape[0] for s in seqs]
     t = plan([0] * len(lens), lens, Q).tensors(dev)
     x, dt, B, C = (torch.cat([s[k] for s in seqs]) for k in ("x", "dt", "B", "C"))
-    out = torch.full_like(x, float("nan"))
+    out = torch.full_like(x, float("nan"), dtype=out_dtype)
     states = mamba_chunk_scan_combined_varlen(
         x, dt, params["A"], B, C, chunk_size=Q, cu_seqlens=t["cu_seqlens"],
         cu_chunk_seqlens=t["cu_chunk_seqlens"], last_chunk_indices=t["last_chunk_indices"],
@@ -470,6 +482,104 @@ def probe_ssd_two_process(ctx, Q: int) -> list:
              "cases": cases, "expected": "invariant if both autotuners chose alike (A.3)",
              "notes": {"autotune choices equal": mine_at == theirs["autotune"]},
              "data": {"autotune (this process)": mine_at, "autotune (child)": theirs["autotune"]}}]
+
+
+def replay_schedules(seed: int, Q: int, count: int) -> list:
+    """The replay probe's schedules: {name, pieces (per sequence), steps [[(sequence, tokens)]],
+    slots}. First a fixed one (cuts = Q-1, 1, 0 mod Q, decodes across a boundary, every unfinished
+    request in every step), then `count` drawn from a seeded random.Random: 3 sequences of
+    prefill pieces of drawn sizes then up to REPLAY_DECODE decode steps (often crossing a
+    boundary), drawn requests per step, drawn cache slots."""
+    import random
+    fixed = [[Q - 1, 2, Q - 2] + [1] * 5, [Q, 1, Q - 1, 37] + [1] * 3, [Q - 3] + [1] * 5]
+    out = [{"name": "fixed", "pieces": fixed, "steps": _interleave(fixed, None), "slots": [0, 1, 2]}]
+    for k in range(count):
+        rng = random.Random(seed * 1_000_003 + Q * 101 + k)
+        pieces = []
+        for _ in range(3):
+            d = rng.randint(1, REPLAY_DECODE)
+            p = rng.choice([rng.randint(1, 3 * Q), rng.randint(1, 2) * Q - rng.randint(0, d - 1)])
+            sizes, left = [], p
+            while left:
+                sizes.append(rng.randint(1, min(left, 2 * Q + 3)))
+                left -= sizes[-1]
+            pieces.append(sizes + [1] * d)
+        slots = rng.sample(range(6), 3)
+        out.append({"name": f"drawn {k}", "pieces": pieces, "steps": _interleave(pieces, rng), "slots": slots})
+    return out
+
+
+def _interleave(pieces: list, rng) -> list:
+    """Engine steps over the sequences' pieces in order: every unfinished one (rng None) or a drawn
+    non-empty subset of them per step."""
+    todo, steps = [list(p) for p in pieces], []
+    while any(todo):
+        ready = [j for j, t in enumerate(todo) if t]
+        pick = ready if rng is None else sorted(rng.sample(ready, rng.randint(1, len(ready))))
+        steps.append([(j, todo[j].pop(0)) for j in pick])
+    return steps
+
+
+def probe_replay(ctx, Q: int) -> list:
+    import torch
+    from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+    from fixtures.vllm.mamba_replay_driver import ReplayDriver, Widths
+    dev, prm, f32 = ctx.dev, ctx.params, torch.float32
+    zero = torch.zeros(1, NHEADS, HEADDIM, DSTATE, device=dev)
+    groups = []
+    for k, sch in enumerate(replay_schedules(ctx.seed, Q, ctx.replay_schedules)):
+        name, slots = f"replay {sch['name']}", sch["slots"]
+        shape = f"{SHAPE_SSD}, lengths {[sum(p) for p in sch['pieces']]}, {len(sch['steps'])} steps"
+        try:
+            seqs = [ssd_sequence(ctx.seed, 80 + 10 * k + j, sum(p), dev) for j, p in enumerate(sch["pieces"])]
+            # a zero state as a tensor, as replay passes it; fp32 outputs (the kernel stores its fp32
+            # accumulator in out's dtype): equal fp32 rows are equal bf16 rows, not the other way round
+            ref = [scan([s], prm, Q, zero, intermediate=True, out_dtype=f32) for s in seqs]
+            drv = ReplayDriver(Widths(NHEADS, HEADDIM, DSTATE, NGROUPS, Q), max(slots) + 1, A=prm["A"],
+                               scan=mamba_chunk_scan_combined_varlen, D=prm["D"], dt_bias=prm["dt_bias"],
+                               dtype=torch.bfloat16, device=dev)
+            got, pos, mine, want = [[] for _ in seqs], [0] * len(seqs), [], []
+            for step in sch["steps"]:
+                for j, _ in step:
+                    if pos[j] == 0:
+                        drv.reset(slots[j])
+                cat = {key: torch.cat([seqs[j][key][pos[j]:pos[j] + n] for j, n in step]) for key in ("x", "dt", "B", "C")}
+                lens = [n for _, n in step]
+                y = drv.step([slots[j] for j, _ in step], [pos[j] for j, _ in step], cat["x"], cat["dt"], cat["B"],
+                             cat["C"], lens, out=torch.full_like(cat["x"], float("nan"), dtype=f32))
+                for (j, n), part in zip(step, y.split(lens)):
+                    got[j].append(part)
+                    pos[j] += n
+                    b = drv.boundary(slots[j])
+                    if b:
+                        mine.append(drv.ssm[slots[j]].clone())
+                        want.append(ref[j][1][b // Q - 1])
+        except Exception as exc:
+            groups.append({"name": name, "shape": shape, "cases": [], "error": _error(exc)})
+            continue
+        outs, states = [], []
+        for j, s in enumerate(seqs):
+            case(outs, f"seq {j} (L={len(s['x'])})", len(s["x"]), lambda j=j: (torch.cat(got[j]), ref[j][0]))
+        if mine:
+            case(states, f"{len(mine)} (step, request) pairs", len(mine), lambda: (torch.stack(mine), torch.stack(want)))
+        groups += [{"name": f"{name}: outputs = unsplit", "shape": shape, "cases": outs,
+                    "expected": "invariant (design C.2 iv; rests on A.3's partial-chunk property)"},
+                   {"name": f"{name}: fp32 boundary state after every step = unsplit chunk state (rows: steps)",
+                    "shape": shape, "cases": states, "expected": "invariant (C.2 iii, iv)"}]
+    ctl = []
+    L = 2 * Q + 5
+    seq = ssd_sequence(ctx.seed, 79, L, dev)
+    full, _ = scan([seq], prm, Q, zero, out_dtype=f32)
+    for cut in (1, Q // 2 + 1, Q - 1, Q + 1):
+        def stock(cut=cut):
+            first, after = scan([_prefix(seq, cut)], prm, Q, zero, out_dtype=f32)
+            second, _ = scan([{key: v[cut:] for key, v in seq.items()}], prm, Q, after.contiguous(), out_dtype=f32)
+            return torch.cat([first, second]), full
+        case(ctl, f"cut at {cut}", cut, stock)
+    groups.append({"name": "stock continuation: chunk from the cut, state after the last token (control)",
+                   "shape": f"{SHAPE_SSD}, L={L}", "cases": ctl,
+                   "expected": "variant (A.2); invariant here means the check cannot see chunking: inconclusive"})
+    return groups
 
 
 def _conv_state(lines: int, dev):
@@ -724,6 +834,7 @@ def _quant_experts(ops, w):
 
 
 PROBE_FUNCS = {"ssd_prefix": probe_ssd_prefix, "ssd_packed": probe_ssd_packed, "ssd_rerun": probe_ssd_rerun,
+               "replay": probe_replay,
                "conv": probe_conv, "ssu": probe_ssu, "fp8_linear": probe_fp8_linear, "fp8_moe": probe_fp8_moe,
                "ssd_two_process": probe_ssd_two_process}
 NO_CHUNK = ("fp8_linear", "fp8_moe")
@@ -744,6 +855,7 @@ def _context(args, t0: float | None = None):
     import torch
     dev = torch.device("cuda", torch.cuda.current_device())
     ctx = argparse.Namespace(dev=dev, seed=args.seed, stock=args.stock, moe=args.moe_list, budget_s=args.budget_s,
+                             replay_schedules=args.replay_schedules,
                              t0=time.monotonic() if t0 is None else t0)
     ctx.params = ssd_params(args.seed, dev)
     return ctx

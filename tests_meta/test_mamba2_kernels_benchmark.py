@@ -26,6 +26,7 @@ def test_defaults(bench):
     args = bench.parse_args([])
     assert args.probe_list == list(bench.PROBES) and args.chunk_list == [128, 256]
     assert args.moe_list == [(8, 2), (64, 8)] and args.seed == 0 and not args.stock and args.json is None
+    assert args.replay_schedules == 4 and "replay" in args.probe_list
 
 
 def test_probes_chunks_and_moe_parsed(bench, tmp_path):
@@ -35,10 +36,18 @@ def test_probes_chunks_and_moe_parsed(bench, tmp_path):
     assert args.chunk_list == [256, 128] and args.moe_list == [(16, 4)] and args.seed == 7 and args.stock
 
 
+def test_replay_probe_registered_and_its_argument_parsed(bench):
+    args = bench.parse_args(["--probes", "replay,ssd_packed", "--replay-schedules", "0"])
+    assert args.probe_list == ["ssd_packed", "replay"] and args.replay_schedules == 0
+    assert bench.PROBE_FUNCS["replay"] is bench.probe_replay and "replay" in bench.PER_CHUNK
+    assert bench.jobs(["replay"], [128, 256]) == [("replay", 128), ("replay", 256)]
+
+
 @pytest.mark.parametrize("argv", [["--probes", "ssd,conv"], ["--probes", ","], ["--chunk-sizes", "100"],
                                   ["--chunk-sizes", "8"], ["--chunk-sizes", "abc"], ["--chunk-sizes", ""],
                                   ["--moe", "8"], ["--moe", "4x8"], ["--moe", "1x1"], ["--seed", "x"],
-                                  ["--budget-s", "0"], ["--frobnicate"], ["--json", "/no/such/dir/out.json"]])
+                                  ["--budget-s", "0"], ["--replay-schedules", "-1"], ["--replay-schedules", "101"],
+                                  ["--replay-schedules", "2.5"], ["--frobnicate"], ["--json", "/no/such/dir/out.json"]])
 def test_bad_arguments_exit_2_with_one_line(bench, argv, capsys):
     assert bench.main(argv) == 2
     out, err = capsys.readouterr()
@@ -65,7 +74,8 @@ def test_run_order(bench):
     jobs = bench.jobs(list(bench.PROBES), [128, 256])
     assert jobs[:len(bench.PROBES)] == [(p, None if p in ("fp8_linear", "fp8_moe") else 128) for p in bench.PROBES]
     assert jobs[len(bench.PROBES) - 1] == ("ssd_two_process", 128)
-    assert jobs[len(bench.PROBES):] == [("ssd_prefix", 256), ("ssd_packed", 256), ("ssd_rerun", 256), ("ssu", 256)]
+    assert jobs[len(bench.PROBES):] == [("ssd_prefix", 256), ("ssd_packed", 256), ("ssd_rerun", 256), ("replay", 256),
+                                        ("ssu", 256)]
     assert bench.jobs(["fp8_linear"], [64, 128]) == [("fp8_linear", None)]
 
 
