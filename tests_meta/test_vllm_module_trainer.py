@@ -360,3 +360,48 @@ def test_no_vllm_config_means_no_forward_context(fake_forward_context):
     calls, _ = fake_forward_context
     _trainer(_tiny()).logprobs(SEQS)
     assert calls == []
+
+
+# ---------------------------------------------------------------------------------------------
+# C8's model-level check (fixtures.checks.grad_model) through ExportsGradients
+# ---------------------------------------------------------------------------------------------
+def _qwen3_config():
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=HID, num_attention_heads=HEADS, num_key_value_heads=KV,
+                       head_dim=HD, intermediate_size=INTER, num_hidden_layers=2, rms_norm_eps=1e-6,
+                       max_position_embeddings=256, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _c8_model_check(references=None):
+    from fixtures.checks import grad_checks as G
+    cfg = _qwen3_config()
+    model = _tiny()
+    model.config = cfg                      # as vLLM's model classes keep it
+    t = ModuleBuiltTrainer(ModuleBuiltModel.from_model(model, cfg, references=references))
+    batches = G.seeded_batches(VOCAB)
+    ref = G.reference_grads(t.module(), batches, weights=t.export_weights())
+    rep = G.check_model_grads(t.module(), ref, lambda m, seqs: -torch.cat(t.logprobs_with_grad(seqs)).mean(),
+                              kernel_mode=contextlib.nullcontext, gradients=t.export_gradients)
+    return t, ref, rep
+
+
+def test_c8_judges_the_exported_gradients_against_a_transformers_copy():
+    """The reference is transformers' Qwen3 holding the exported weights (the vLLM-shaped module is
+    no transformers model); the trainer's gradients are read under the same checkpoint names. Its
+    float64 loss equals the trainer's up to rounding: the two models are the same function."""
+    t, ref, rep = _c8_model_check()
+    assert rep.ok, rep.message()
+    assert set(rep.errors) == set(t.export_weights())
+    assert 0 < rep.max_ratio <= 1
+
+
+def test_c8_sees_a_planted_reference_through_the_export():
+    """Control: the fused add + RMSNorm reference with its residual path cut is over the bound."""
+    from fixtures.vllm import module_wrap as MW
+
+    def planted(x, r, w, eps):
+        s = (x.float() + r.float()).to(x.dtype)
+        return MW.ref_rms_norm(s, w, eps), s.detach()
+    _, _, rep = _c8_model_check({"fused_add_rms_norm": planted})
+    assert not rep.ok
