@@ -52,8 +52,6 @@ NO_SELF_TEST = {
     "fixtures.vllm.kernel_library": _VLLM,
     "fixtures.vllm.kernel_worker": "the C2 kernel worker child (`python -m`), started by fixtures.vllm.kernel_cases "
                                    "(tests_meta/test_vllm_kernels.py) with vLLM on a GPU",
-    "fixtures.vllm.module_trainer": "the trainer built from vLLM's own modules (#46): GPU only and not yet run on one; "
-                                    "its parts are tested on the CPU (module_wrap, weight_export)",
     "fixtures.vllm.paged_attention": _VLLM,
     "fixtures.vllm.request_rows": _VLLM,
     "fixtures.vllm.spares": "the vLLM pool's spare worker processes, run by tests_meta/test_worker_warmup.py and test_vllm_adapter.py through fixtures.vllm.pool and the fake backend",

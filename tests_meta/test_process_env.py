@@ -203,10 +203,12 @@ def test_vllm_engine_kernel_trainer_declares_vllm_batch_invariant():
     assert isinstance(ek, C.ConfiguresProcess) and ek.process_environment() == {"VLLM_BATCH_INVARIANT": "1"}
     assert not isinstance(vimpl.VLLMImplementation(fake="echo", max_idle=0), C.ConfiguresProcess)
     presets = {f.__name__: isinstance(f(), C.ConfiguresProcess)
-               for f in (vimpl.engine_kernel_trainer, vimpl.transformers_backend, vimpl.tensor_parallel_2,
+               for f in (vimpl.engine_kernel_trainer, vimpl.module_trainer, vimpl.transformers_backend,
+                         vimpl.tensor_parallel_2,
                          vimpl.tensor_parallel_2_engine_kernels, vimpl.flash_attn, vimpl.triton_attn,
                          vimpl.native_defaults)}
-    assert presets == {"engine_kernel_trainer": True, "transformers_backend": True, "tensor_parallel_2": False,
+    assert presets == {"engine_kernel_trainer": True, "module_trainer": True, "transformers_backend": True,
+                       "tensor_parallel_2": False,
                        "tensor_parallel_2_engine_kernels": True, "flash_attn": False, "triton_attn": False,
                        "native_defaults": False}
 

@@ -51,6 +51,6 @@ def test_a_replaced_submodule_with_a_wrong_backward_exceeds_the_bound(tmp_path, 
     rep = G.check_model_grads(module, G.reference_grads(module, batches), G.alone_loss)
     assert not rep.ok, "the architecture's reference did not see the replaced submodule's backward"
     # control: with the reference a copy of the module (the old way), the wrong backward agrees with itself
-    monkeypatch.setattr(G, "architecture_copy", lambda m, dtype, device=None: None)
+    monkeypatch.setattr(G, "architecture_copy", lambda m, dtype, device=None, **kw: None)
     old = G.check_model_grads(module, G.reference_grads(module, batches), G.alone_loss)
     assert old.ok, "control: a reference copied from the module should inherit the replacement"
