@@ -49,7 +49,6 @@ NO_SELF_TEST = {
     "fixtures.reference.engine_outputs": _REF,
     "fixtures.reference.hf_attention": _REF,
     "fixtures.vllm.engine_probes": _VLLM,
-    "fixtures.vllm.kernel_library": _VLLM,
     "fixtures.vllm.kernel_worker": "the C2 kernel worker child (`python -m`), started by fixtures.vllm.kernel_cases "
                                    "(tests_meta/test_vllm_kernels.py) with vLLM on a GPU",
     "fixtures.vllm.paged_attention": _VLLM,

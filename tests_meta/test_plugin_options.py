@@ -92,7 +92,8 @@ def test_every_knob_the_adapter_reads_is_an_option_and_echoed():
     assert read == {k.env for k in VLLM_KNOBS}
     assert all(k.name == k.env[len("CONFORMANCE_VLLM_"):].lower().replace("_", "-") for k in VLLM_KNOBS)
     assert {k.env for k in VLLM_KNOBS} <= set(environment.RELEVANT_ENV)
-    assert {k.name for k in VLLM_KNOBS if not k.runtime} == {"attention-backend", "compiled-custom-ops", "fixes"}
+    assert {k.name for k in VLLM_KNOBS if not k.runtime} == {"attention-backend", "compiled-custom-ops", "fixes",
+                                                                   "quantization"}
     readme, options = (ROOT / "README.md").read_text(), (ROOT / "docs" / "options.md").read_text()
     assert [k.flag for k in VLLM_KNOBS if not k.runtime and f"`{k.flag}" not in readme + options] == []
     assert "`--vllm-runtime" in readme
@@ -149,6 +150,9 @@ def test_the_same_value_both_ways_is_accepted(inner, monkeypatch):
     (["--vllm-runtime=prespawn"], {}, ["--vllm-runtime=prespawn: 'prespawn' is not KEY=VALUE"]),
     (["--vllm-runtime=prespawn=0", "--vllm-runtime=prespawn=1"], {}, ["--vllm-runtime: prespawn given twice"]),
     (["--vllm-runtime=fixes=all"], {}, ["unknown key 'fixes'"]),
+    (["--vllm-quantization=int8"], {}, ["--vllm-quantization=int8: unknown quantization 'int8': expected fp8"]),
+    (["--vllm-quantization=fp8"], {"CONFORMANCE_VLLM_QUANTIZATION": "none"},
+     ["--vllm-quantization=fp8 and CONFORMANCE_VLLM_QUANTIZATION=none disagree"]),
     ([], {"CONFORMANCE_VLLM_CALL_TIMEOUT": "soon"}, ["CONFORMANCE_VLLM_CALL_TIMEOUT=soon: expected a number of seconds"]),
 ])
 def test_disagreeing_or_bad_values_are_one_usage_error(inner, monkeypatch, option, env, needles, one_error_line):
