@@ -21,3 +21,15 @@ def lazy_trainer(request):
         except (Exception, pytest.skip.Exception, pytest.fail.Exception):    # n/a or broken: diagnose without it
             return None
     return get
+
+
+@pytest.fixture(scope="module")
+def engine_library(impl):
+    """The engine's own kernels as the implementation hands them over (ChecksEngineKernels), else
+    n/a: the GPU-lane C2 modules' common start."""
+    from fixtures.core.contract import ChecksEngineKernels
+    from fixtures.core.outcomes import not_applicable
+    if not isinstance(impl, ChecksEngineKernels):
+        not_applicable(f"the implementation is not ChecksEngineKernels (the engine's own kernels are checked with "
+                       f"--impl vllm; this run: {impl.name})", capability=ChecksEngineKernels)
+    return impl.engine_kernel_library()

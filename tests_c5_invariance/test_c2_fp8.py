@@ -34,12 +34,9 @@ FP8_CASES = ("fp8_linear", "fp8_fused_moe")
 
 
 @pytest.fixture(scope="module")
-def library(impl):
+def library(engine_library):
     """The engine's kernel library, if it checks FP8 kernels and the engines serve FP8 weights."""
-    if not isinstance(impl, ChecksEngineKernels):
-        not_applicable(f"the implementation is not ChecksEngineKernels (the engine's own kernels are checked with "
-                       f"--impl vllm; this run: {impl.name})", capability=ChecksEngineKernels)
-    lib = impl.engine_kernel_library()
+    lib = engine_library
     if not hasattr(lib, "check_fp8_rows"):
         not_applicable("the engine kernel library has no FP8 row check (check_fp8_rows)", capability=ChecksEngineKernels)
     if getattr(lib, "quantization", None) != "fp8":

@@ -32,12 +32,9 @@ _LIVE = settings(deadline=None, max_examples=8,
 
 
 @pytest.fixture(scope="module")
-def library(impl):
+def library(engine_library):
     """The engine's kernel library, if it checks the GEMM at rollout row counts."""
-    if not isinstance(impl, ChecksEngineKernels):
-        not_applicable(f"the implementation is not ChecksEngineKernels (the engine's own kernels are checked with "
-                       f"--impl vllm; this run: {impl.name})", capability=ChecksEngineKernels)
-    lib = impl.engine_kernel_library()
+    lib = engine_library
     if not hasattr(lib, "check_gemm_rows"):
         not_applicable("the engine kernel library has no GEMM row check (check_gemm_rows)",
                        capability=ChecksEngineKernels)

@@ -67,12 +67,9 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture(scope="module")
-def library(impl):
+def library(engine_library):
     """The engine's own kernels as the implementation hands them over (ChecksEngineKernels)."""
-    if not isinstance(impl, ChecksEngineKernels):
-        not_applicable(f"the implementation is not ChecksEngineKernels (the engine's own kernels are checked with "
-                       f"--impl vllm; this run: {impl.name})", capability=ChecksEngineKernels)
-    return impl.engine_kernel_library()
+    return engine_library
 
 
 @pytest.fixture(scope="module")
