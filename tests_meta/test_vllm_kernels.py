@@ -58,6 +58,26 @@ def test_read_trace_links_kernels_to_op_module_and_phase():
     assert (argmax.op, argmax.phase) == ("aten::argmax", "prefill")
 
 
+def test_an_architecture_vllm_does_not_serve_is_one_na_line_said_once(tmp_path, monkeypatch):
+    """vLLM's registry refuses an architecture at engine start: VLLMArchitectureNotServed (an n/a,
+    NotImplementedError) with vLLM's sentence, not its list of supported architectures; a second
+    engine for the same model in this process says it at once, starting no worker."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "fake_unserved", "vocab_size": 1000, "eos_token_id": 7}))
+    monkeypatch.setattr(vclient, "_NOT_SERVED_SEEN", {})
+    with pytest.raises(vclient.VLLMArchitectureNotServed) as first:
+        vclient.VLLMEngine(d, fake="not_served", log_dir=tmp_path)
+    said = str(first.value)
+    assert said.startswith("n/a: vLLM ") and "FakeUnservedForCausalLM'] are not supported for now" in said, said
+    assert "Supported architectures" not in said and isinstance(first.value, NotImplementedError)
+    started = []
+    monkeypatch.setattr(vclient, "spawn_worker", lambda *a, **k: started.append(a) or pytest.fail("spawned"))
+    with pytest.raises(vclient.VLLMArchitectureNotServed, match="not supported for now"):
+        vclient.VLLMEngine(d, fake="not_served", log_dir=tmp_path)
+    assert not started
+
+
 @pytest.mark.parametrize("kernel, op, policy, case", [
     ("matmul_kernel_persistent", "", Policy.KERNEL, "linear"),
     ("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT", "aten::mm", Policy.KERNEL, "linear"),
