@@ -174,6 +174,15 @@ def test_refused_invariance_is_a_clear_red_not_a_skip(tmp_path):
     with pytest.raises(vclient.VLLMInvarianceRefused, match="MAMBA2_ATTN.*gate is red"):
         vclient.VLLMEngine(d, fake="refuse_bi", log_dir=tmp_path)
     assert not issubclass(vclient.VLLMInvarianceRefused, NotImplementedError)   # never read as "n/a"
+    spawned = []                    # a second batch-invariant start in this process: refused at once
+    real_spawn = vclient.spawn_worker
+    vclient.spawn_worker = lambda *a, **k: spawned.append(1) or real_spawn(*a, **k)
+    try:
+        with pytest.raises(vclient.VLLMInvarianceRefused, match="MAMBA2_ATTN"):
+            vclient.VLLMEngine(d, fake="refuse_bi", log_dir=tmp_path)
+        assert not spawned
+    finally:
+        vclient.spawn_worker = real_spawn
     with vclient.VLLMEngine(d, EngineSettings(batch_invariant=False), fake="refuse_bi", log_dir=tmp_path) as stock:
         assert stock.alive
 
