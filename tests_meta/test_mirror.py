@@ -51,7 +51,6 @@ NO_SELF_TEST = {
     "fixtures.vllm.engine_probes": _VLLM,
     "fixtures.vllm.kernel_worker": "the C2 kernel worker child (`python -m`), started by fixtures.vllm.kernel_cases "
                                    "(tests_meta/test_vllm_kernels.py) with vLLM on a GPU",
-    "fixtures.vllm.paged_attention": _VLLM,
     "fixtures.vllm.request_rows": _VLLM,
     "fixtures.vllm.spares": "the vLLM pool's spare worker processes, run by tests_meta/test_worker_warmup.py and test_vllm_adapter.py through fixtures.vllm.pool and the fake backend",
     "fixtures.vllm.zygote": "the forked-worker zygote (--vllm-runtime fork-workers=1), run through fixtures.vllm.implementation in tests_meta/test_vllm_adapter.py",

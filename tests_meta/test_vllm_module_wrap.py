@@ -224,7 +224,7 @@ def _offset_norm():
     (nn.GELU(), "GELU", "no wrapper for this layer kind"),
     (_quantised(), "QKVParallelLinear", "quant method Fp8LinearMethod"),
     (_offset_norm(), "RMSNorm", "variance_size_override"),
-    (V.Attention(4, 8, 0.3, sliding_window=128), "Attention", "sliding window 128"),
+    (V.Attention(4, 8, 0.3, alibi_slopes=[0.5, 0.25, 0.125, 0.0625]), "Attention", "alibi_slopes"),
     (V.ParallelLMHead(100, H), "ParallelLMHead", "no LogitsProcessor computes with it"),
     (V.MoERunner(V.FusedTopKRouter(2, scoring_func="sigmoid"), V.RoutedExperts(4, H, 8)), "MoERunner", "router"),
 ])
