@@ -46,29 +46,44 @@ def test_all_with_a_fix_it_leaves_out():
     assert "cublaslt" not in pack and FX.parse("all,cublaslt") == tuple(n for n in FX.FIXES if n in pack + ("cublaslt",))
 
 
-def test_mamba2_is_named_only_and_refused_with_one_line(monkeypatch):
-    """`mamba2` (issue #47) is planned, not built: not in `all`, and with VLLM_BATCH_INVARIANT=1 its
-    install refuses with one line naming what exists and the next step, in the engine and the
-    trainer alike (never a silent no-op); a stock control reports it not installed."""
+def test_mamba2_is_named_only_and_installs_the_engine_patch(monkeypatch):
+    """`mamba2` (issue #47) installs the engine patch (fixtures/vllm/mamba2_patch.py), not yet run on
+    a GPU: not in `all`; with VLLM_BATCH_INVARIANT=1 `install` calls the patch's install (its undo
+    is what `activate` runs); a stock control reports it not installed; at tensor parallel > 1 it is
+    refused, and the LLM(...) arguments it cannot serve are refused in one line before the engine
+    is built. The patch itself on fake vLLM classes: tests_meta/test_vllm_mamba2_patch.py."""
+    from fixtures.vllm import mamba2_patch
     assert "mamba2" not in FX.parse("all") and FX.parse("all,mamba2")[-1] == "mamba2"
     assert _fixes("mamba2,all") == "all,mamba2"
     fix = FX.FIXES["mamba2"]
-    assert not fix.in_all and fix.patches and fix.in_trainer and fix.case is None
+    assert not fix.in_all and fix.patches and fix.in_trainer and fix.case is None and fix.check_kwargs
+    assert "not yet run on a GPU" in fix.why and "mamba2_patch.py" in fix.replaces
     _fake_mamba2_backend(monkeypatch, type("Mamba2AttentionBackend", (), {
         "supports_batch_invariance": classmethod(lambda cls: False)}))          # as vLLM 0.26's
     assert fix.needed()[0] is True
+    calls = []
+    monkeypatch.setattr(mamba2_patch, "install", lambda: calls.append("install") or (lambda: calls.append("undo")))
+    monkeypatch.setattr(FX, "_ACTIVE", {})
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    for where in ("engine", "trainer", "kernels"):
-        with pytest.raises(NotImplementedError) as err:
-            FX.install(("mamba2",), where=where)
-        assert str(err.value) == FX.MAMBA2_REFUSAL and "\n" not in str(err.value)
-        assert "fixtures/vllm/mamba_replay_plan.py" in str(err.value) and "step E.1" in str(err.value)
-    assert FX.installed() == ()
+    assert FX.install(("mamba2",), where="engine")["mamba2"].startswith("installed: replaces vLLM's Mamba-2 mixer path")
+    assert calls == ["install"] and FX.installed() == ("mamba2",)
+    FX.activate(())
+    assert calls == ["install", "undo"] and FX.installed() == ()
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
     assert FX.install(("mamba2",))["mamba2"].startswith("not installed")
     monkeypatch.setenv(FX.FIXES_ENV, "mamba2")
     with pytest.raises(RuntimeError, match="mamba2: not available at tensor_parallel_size=2"):
         FX.install_in_engine({"tensor_parallel_size": 2})
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    for kwargs, what in (({"enable_prefix_caching": True}, "prefix caching"),
+                         ({"speculative_config": {"method": "ngram"}}, "speculative decoding"),
+                         ({"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}, "FULL graphs")):
+        with pytest.raises(RuntimeError) as err:
+            FX.install_in_engine(dict(kwargs))
+        assert str(err.value).startswith("mamba2: ") and what in str(err.value) and "\n" not in str(err.value)
+    assert calls == ["install", "undo"]          # refused before anything was installed
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert FX.install_in_engine({"enable_prefix_caching": True})[0]["mamba2"].startswith("not installed")
 
 
 def _fake_mamba2_backend(monkeypatch, cls):
