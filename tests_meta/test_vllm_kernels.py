@@ -78,6 +78,40 @@ def test_an_architecture_vllm_does_not_serve_is_one_na_line_said_once(tmp_path, 
     assert not started
 
 
+def test_a_fix_that_does_not_serve_the_configuration_is_an_na_line(tmp_path):
+    """The mamba2 fix refuses prefix caching at engine start: VLLMConfigurationNotServed (n/a) with
+    the fix's sentence and the settings asked; the same model without prefix caching starts."""
+    from fixtures.core.contract import EngineSettings
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "nemotron_h", "vocab_size": 1000, "eos_token_id": 7}))
+    with pytest.raises(vclient.VLLMConfigurationNotServed, match=r"^n/a: mamba2: prefix caching is not served") as e:
+        vclient.VLLMEngine(d, EngineSettings(enable_prefix_caching=True), fake="fix_refused", log_dir=tmp_path)
+    assert isinstance(e.value, NotImplementedError) and "enable_prefix_caching=True" in str(e.value)
+    with vclient.VLLMEngine(d, EngineSettings(enable_prefix_caching=False), fake="fix_refused",
+                            log_dir=tmp_path) as eng:
+        assert eng.alive
+
+
+def test_the_mamba2_fix_starts_mamba2_models_without_prefix_caching(monkeypatch, tmp_path):
+    """--vllm-fixes ...,mamba2: a Mamba-2 model's engines default to prefix caching off (the fix
+    serves mamba_cache_mode 'none' only); any other model's defaults are left as they are."""
+    from fixtures.vllm import fixes, implementation as vimpl, mamba2_patch
+    base = vimpl.VLLMImplementation().defaults
+    assert base.enable_prefix_caching
+    assert not mamba2_patch.engine_defaults_for({"model_type": "nemotron_h"}, base).enable_prefix_caching
+    assert mamba2_patch.engine_defaults_for({"model_type": "qwen3"}, base) is base
+    impl = vimpl.VLLMImplementation()
+    for mt in ("bamba", "qwen3"):
+        (tmp_path / mt).mkdir()
+        (tmp_path / mt / "config.json").write_text(json.dumps({"model_type": mt}))
+    monkeypatch.setenv(fixes.FIXES_ENV, "all,mamba2")
+    assert not impl._defaults_for(tmp_path / "bamba").enable_prefix_caching
+    assert impl._defaults_for(tmp_path / "qwen3").enable_prefix_caching
+    monkeypatch.setenv(fixes.FIXES_ENV, "all")
+    assert impl._defaults_for(tmp_path / "bamba").enable_prefix_caching
+
+
 @pytest.mark.parametrize("kernel, op, policy, case", [
     ("matmul_kernel_persistent", "", Policy.KERNEL, "linear"),
     ("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT", "aten::mm", Policy.KERNEL, "linear"),
