@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fixtures.core.comparison import assert_bitwise
+from fixtures.models import proxies as P
 from fixtures.vllm import fake_modules as V
 from fixtures.vllm import weight_export as WE
 
@@ -61,7 +62,7 @@ def _checkpoint(model_type, g) -> dict[str, torch.Tensor]:
     return ck
 
 
-@pytest.mark.parametrize("model_type", sorted(WE.ARCHITECTURES))
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma3_text", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"])
 def test_round_trip_gives_the_checkpoints_names_and_bits(model_type):
     ck = _checkpoint(model_type, torch.Generator().manual_seed(5))
     params = WE.stack_checkpoint(ck, model_type)
@@ -72,6 +73,73 @@ def test_round_trip_gives_the_checkpoints_names_and_bits(model_type):
     assert sorted(back) == sorted(ck)
     for name in ck:
         assert_bitwise(back[name], ck[name], what=f"{model_type} {name}: exported vs checkpoint")
+
+
+def _family_dirs():
+    return {d.name: d for d in [*P.family_dirs(), *P.recipe_dirs()]}
+
+
+def _proxy_checkpoint(d, seed):
+    """The tiny proxy's checkpoint (on-disk names and shapes, transformers' reverse weight conversion:
+    fixtures.models.proxies.tensor_specs), random bf16 bits; and its config."""
+    cfg = P.proxy_config(P.source_config(d), "tiny")
+    specs, _ = P.tensor_specs(cfg)
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(*s, generator=g).to(torch.bfloat16) for n, s in specs.items()}, cfg
+
+
+@pytest.mark.parametrize("name", sorted(_family_dirs()))
+def test_every_family_round_trips_or_is_na_with_a_reason(name):
+    """Each family config and recipe: its tiny proxy's checkpoint, stacked as vLLM loads it and
+    exported back (shard sizes from sizes_from_config), gives the same names and bits; a model type
+    without a rule is n/a with its reason (NOT_EXPORTED), never a silent pass-through."""
+    ck, cfg = _proxy_checkpoint(_family_dirs()[name], 11)
+    mt = cfg.model_type
+    if mt not in WE.ARCHITECTURES:
+        assert mt in WE.NOT_EXPORTED, f"{name} ({mt}): neither an export rule nor a reason for having none"
+        with pytest.raises(NotImplementedError, match=f"n/a: no weight-export rule for model type '{mt}': "):
+            WE.stack_checkpoint(ck, mt)
+        return
+    params = WE.stack_checkpoint(ck, mt)
+    vocab = [t.shape[0] for n, t in params.items() if n.endswith(WE.VOCAB_PADDED)]
+    assert vocab and all(v == -(-cfg.vocab_size // 64) * 64 for v in vocab), f"vocabulary rows {vocab}, not vLLM's padding"
+    back = WE.export_checkpoint(params, mt, WE.sizes_from_config(cfg, mt), vocab_size=cfg.vocab_size)
+    assert sorted(back) == sorted(ck)
+    for n in ck:
+        assert_bitwise(back[n], ck[n], what=f"{name} {n}: exported vs checkpoint")
+
+
+def test_no_rule_and_reason_both():
+    assert not set(WE.ARCHITECTURES) & set(WE.NOT_EXPORTED)
+
+
+def test_gpt_oss_layout_is_vllms():
+    """gpt-oss: .self_attn. -> .attn., embed_tokens -> embedding, w13 = gate_up_proj.permute(0, 2, 1)
+    with its interleaved gate/up columns kept (rows 0, 2, ... gate), biases and sinks as they are."""
+    ck, cfg = _proxy_checkpoint(_family_dirs()["gpt_oss"], 12)
+    p = WE.stack_checkpoint(ck, "gpt_oss")
+    pre = "model.layers.0"
+    gu = ck[f"{pre}.mlp.experts.gate_up_proj"]
+    w13 = p[f"{pre}.mlp.experts.routed_experts.w13_weight"]
+    assert w13.shape == (gu.shape[0], gu.shape[2], gu.shape[1]) and torch.equal(w13[1, ::2], gu[1][:, ::2].T)
+    assert torch.equal(p[f"{pre}.mlp.experts.routed_experts.w2_weight"][2], ck[f"{pre}.mlp.experts.down_proj"][2].T)
+    assert torch.equal(p[f"{pre}.mlp.experts.routed_experts.w13_bias"], ck[f"{pre}.mlp.experts.gate_up_proj_bias"])
+    assert torch.equal(p[f"{pre}.attn.sinks"], ck[f"{pre}.self_attn.sinks"])
+    q = cfg.num_attention_heads * cfg.head_dim
+    assert torch.equal(p[f"{pre}.attn.qkv_proj.bias"][:q], ck[f"{pre}.self_attn.q_proj.bias"])
+    assert p["model.embedding.weight"].shape[0] % 64 == 0 and "model.embed_tokens.weight" not in p
+    back = WE.export_checkpoint(p, "gpt_oss", WE.sizes_from_config(cfg, "gpt_oss"))
+    assert back[f"{pre}.mlp.experts.gate_up_proj"].data_ptr() == w13.data_ptr(), "the export is a view, not a copy"
+
+
+def test_phi3_and_olmo2_load_whole():
+    """phi3's checkpoint is already merged (qkv_proj, gate_up_proj) and olmo2 goes through the
+    Transformers backend: vLLM's names are the checkpoint's, only the vocabulary is padded."""
+    for name in ("phi3", "olmo2"):
+        ck, _ = _proxy_checkpoint(_family_dirs()[name], 13)
+        p = WE.stack_checkpoint(ck, name)
+        assert sorted(p) == sorted(ck)
+        assert all(torch.equal(p[n], ck[n]) for n in ck if not n.endswith(WE.VOCAB_PADDED))
 
 
 def test_the_stacked_layout_is_vllms():
@@ -114,6 +182,8 @@ def test_sizes_from_the_modules_are_the_configs():
 def test_an_unknown_architecture_is_na():
     with pytest.raises(NotImplementedError, match="n/a: no weight-export rule for model type 'falcon'"):
         WE.stack_checkpoint({}, "falcon")
+    with pytest.raises(NotImplementedError, match="A = -exp"):
+        WE.architecture("mamba2")
 
 
 def _vllm_models_dir() -> Path | None:
@@ -139,11 +209,79 @@ def _stacked_in_source(path: Path, cls: str) -> set[tuple[str, str, object]]:
     raise AssertionError(f"{cls}.hf_to_vllm_mapper.orig_to_new_stacked not found in {path}")
 
 
+def _class(path: Path, cls: str) -> ast.ClassDef:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return node
+    raise AssertionError(f"class {cls} not found in {path}")
+
+
+def _mapper_dict(path: Path, cls: str, kind: str) -> dict:
+    """`orig_to_new_<kind>` of class `cls`'s WeightsMapper, read with ast."""
+    for call in ast.walk(_class(path, cls)):
+        if isinstance(call, ast.keyword) and call.arg == f"orig_to_new_{kind}":
+            return ast.literal_eval(call.value)
+    raise AssertionError(f"{cls}: no orig_to_new_{kind} in {path}")
+
+
+def _stacked_list(path: Path, cls: str, func: str = "load_weights") -> set[tuple[str, str, object]]:
+    """A `stacked_params_mapping = [(param, shard_name, shard_id), ...]` in `cls.func`, as
+    (checkpoint, vLLM, shard id) like the table."""
+    for fn in ast.walk(_class(path, cls)):
+        if isinstance(fn, ast.FunctionDef) and fn.name == func:
+            for a in ast.walk(fn):
+                if isinstance(a, ast.Assign) and getattr(a.targets[0], "id", None) == "stacked_params_mapping":
+                    return {(w, p, s) for p, w, s in ast.literal_eval(a.value)}
+    raise AssertionError(f"{cls}.{func}: no stacked_params_mapping in {path}")
+
+
+def _bases(path: Path, cls: str) -> set[str]:
+    return {b.id for b in _class(path, cls).bases if isinstance(b, ast.Name)}
+
+
 @pytest.mark.parametrize("model_type, file, cls", [
     ("qwen3", "qwen2.py", "Qwen2Model"), ("llama", "llama.py", "LlamaModel"), ("mixtral", "mixtral.py", "MixtralModel"),
-    ("qwen3_moe", "qwen3_moe.py", "Qwen3MoeModel"), ("gemma3_text", "gemma3.py", "Gemma3Model")])
+    ("qwen3_moe", "qwen3_moe.py", "Qwen3MoeModel"), ("gemma3_text", "gemma3.py", "Gemma3Model"),
+    ("mistral", "llama.py", "LlamaModel"), ("gemma2", "gemma2.py", "Gemma2ForCausalLM"),
+    ("qwen2_moe", "qwen2_moe.py", "Qwen2MoeForCausalLM"), ("lfm2", "lfm2.py", "Lfm2Model")])
 def test_the_rule_table_is_what_vllms_model_files_say(model_type, file, cls):
+    models = _models_or_skip()
+    assert set(WE.ARCHITECTURES[model_type].stacked) == _stacked_in_source(models / file, cls)
+
+
+def _models_or_skip() -> Path:
     models = _vllm_models_dir()
     if models is None:
         pytest.skip("vLLM's source is not here (set VLLM_SRC to its vllm/ directory): the table is held to it there")
-    assert set(WE.ARCHITECTURES[model_type].stacked) == _stacked_in_source(models / file, cls)
+    return models
+
+
+def test_the_renames_are_what_vllms_model_files_say():
+    """mistral's model is llama's; lfm2's and gpt-oss's renames and gpt-oss's q/k/v stacking are
+    their files' (gpt-oss's expert suffixes land under routed_experts via remap_moe_expert_weights)."""
+    models = _models_or_skip()
+    assert "LlamaModel" in _bases(models / "mistral.py", "MistralModel")
+    assert "LlamaForCausalLM" in _bases(models / "mistral.py", "MistralForCausalLM")
+    assert dict(WE.ARCHITECTURES["lfm2"].substr) == _mapper_dict(models / "lfm2.py", "Lfm2Model", "substr")
+    g = WE.ARCHITECTURES["gpt_oss"]
+    assert dict(g.substr) == _mapper_dict(models / "gpt_oss.py", "GptOssForCausalLM", "substr")
+    src = _mapper_dict(models / "gpt_oss.py", "GptOssForCausalLM", "suffix")
+    for old, new in g.suffix:
+        assert src[old.replace(".experts", "", 1)] == new.replace(".experts.routed_experts", "", 1), (old, new)
+    assert set(g.stacked) == _stacked_list(models / "gpt_oss.py", "GptOssModel")
+    assert "permute(0, 2, 1)" in ast.get_source_segment((models / "gpt_oss.py").read_text(),
+                                                        _class(models / "gpt_oss.py", "GptOssModel"))
+
+
+def test_phi3_and_olmo2_have_nothing_to_stack_in_vllms_files():
+    """phi3 is llama's model with merged checkpoint names: none of llama's mapper keys occurs in a
+    phi3 checkpoint name; olmo2 is served by the Transformers backend (no stacking); bamba and
+    Qwen3_5ForCausalLM are not served (NOT_EXPORTED)."""
+    models = _models_or_skip()
+    assert _bases(models / "phi3.py", "Phi3ForCausalLM") == {"LlamaForCausalLM"}
+    ck, _ = _proxy_checkpoint(_family_dirs()["phi3"], 14)
+    keys = {k for k, _, _ in _stacked_in_source(models / "llama.py", "LlamaModel")}
+    assert not [(k, n) for k in keys for n in ck if k in n]
+    reg = (models / "registry.py").read_text()
+    assert '"Olmo2ForCausalLM": ("transformers", "TransformersForCausalLM")' in reg
+    assert '"BambaForCausalLM": "0.23.0"' in reg and '"Qwen3_5ForCausalLM"' not in reg
