@@ -100,7 +100,7 @@ def test_every_family_round_trips_or_is_na_with_a_reason(name):
         with pytest.raises(NotImplementedError, match=f"n/a: no weight-export rule for model type '{mt}': "):
             WE.stack_checkpoint(ck, mt)
         return
-    params = WE.stack_checkpoint(ck, mt)
+    params = WE.stack_checkpoint(ck, mt, form="trainer")      # what the trainer holds (Mamba-2: A_log, not A)
     vocab = [t.shape[0] for n, t in params.items() if n.endswith(WE.VOCAB_PADDED)]
     assert vocab and all(v == -(-cfg.vocab_size // 64) * 64 for v in vocab), f"vocabulary rows {vocab}, not vLLM's padding"
     back = WE.export_checkpoint(params, mt, WE.sizes_from_config(cfg, mt), vocab_size=cfg.vocab_size)
@@ -183,7 +183,7 @@ def test_an_unknown_architecture_is_na():
     with pytest.raises(NotImplementedError, match="n/a: no weight-export rule for model type 'falcon'"):
         WE.stack_checkpoint({}, "falcon")
     with pytest.raises(NotImplementedError, match="A = -exp"):
-        WE.architecture("mamba2")
+        WE.architecture("jamba")
 
 
 def _vllm_models_dir() -> Path | None:
@@ -285,3 +285,22 @@ def test_phi3_and_olmo2_have_nothing_to_stack_in_vllms_files():
     reg = (models / "registry.py").read_text()
     assert '"Olmo2ForCausalLM": ("transformers", "TransformersForCausalLM")' in reg
     assert '"BambaForCausalLM": "0.23.0"' in reg and '"Qwen3_5ForCausalLM"' not in reg
+
+
+@pytest.mark.parametrize("mt", ["nemotron_h", "mamba2"])
+def test_mamba2_a_is_the_loaders_and_only_the_trainers_a_log_is_exported(mt):
+    """vLLM's loader stores A = -exp(A_log.float()) (mamba_mixer2.py's composed_weight_loader):
+    the engine form holds that A under vLLM's name; the trainer form holds the checkpoint's A_log
+    bits, and exports them under the checkpoint's name; an engine-side A is refused (n/a), not
+    inverted."""
+    ck, cfg = _proxy_checkpoint(_family_dirs()[mt], 14)
+    pre = "model.layers.0.mixer" if mt == "nemotron_h" else "backbone.layers.0.mixer"
+    a_log = ck["backbone.layers.0.mixer.A_log"]
+    engine = WE.stack_checkpoint(ck, mt)
+    assert_bitwise(engine[f"{pre}.A"], -torch.exp(a_log.float()), what=f"{mt} engine A vs the loader's lambda")
+    trainer = WE.stack_checkpoint(ck, mt, form="trainer")
+    assert f"{pre}.A" not in trainer and trainer[f"{pre}.A_log"] is a_log
+    back = WE.export_checkpoint(trainer, mt, WE.sizes_from_config(cfg, mt), vocab_size=cfg.vocab_size)
+    assert_bitwise(back["backbone.layers.0.mixer.A_log"], a_log, what=f"{mt} exported A_log vs the checkpoint's")
+    with pytest.raises(NotImplementedError, match="not invertible bit for bit"):
+        WE.export_checkpoint(engine, mt, WE.sizes_from_config(cfg, mt), vocab_size=cfg.vocab_size)
