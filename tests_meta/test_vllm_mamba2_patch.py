@@ -264,6 +264,8 @@ def run_engine(mods, Q, layers, rows, steps, slots, conv_layer_rows=None) -> lis
     pos = [0] * len(rows[0])
     outs = [[[] for _ in rows[0]] for _ in layers]
     for step in steps:
+        if not step:                    # a step that schedules none of these requests: vLLM builds no metadata
+            continue
         decodes = [(j, n) for j, n in step if n == 1 and pos[j] > 0]
         order = decodes + [(j, n) for j, n in step if not (n == 1 and pos[j] > 0)]
         lens = [n for _, n in order]
@@ -271,7 +273,7 @@ def run_engine(mods, Q, layers, rows, steps, slots, conv_layer_rows=None) -> lis
         seq_lens = torch.tensor([pos[j] + n for j, n in order], dtype=torch.int32)
         cm = SimpleNamespace(num_reqs=len(order), query_start_loc_cpu=qsl, query_start_loc=qsl.clone(),
                              seq_lens_cpu_upper_bound=seq_lens, seq_lens=seq_lens.clone(),
-                             is_prefilling=torch.tensor([True] * len(order)),
+                             is_prefilling=torch.tensor([True] * len(order), dtype=torch.bool),
                              block_table_tensor=torch.tensor([[slots[j]] for j, _ in order], dtype=torch.int32))
         md = builder.build(common_prefix_len=0, common_attn_metadata=cm)      # as vLLM's runner calls it
         FORWARD.attn_metadata = {l.prefix: md for l in layers}
