@@ -88,7 +88,8 @@ def test_the_implementation_reads_the_option_and_its_engines_serve_fp8(model_dir
 # ---------------------------------------------------------------------------------------------
 # the trainer: n/a with one line, the gates that need it incomplete
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind, who", [("engine-kernels", "engine-kernel"), ("reference-kernels", "reference-kernel (hf-transformers)")])
+@pytest.mark.parametrize("kind, who", [("engine-kernels", "engine-kernel"), ("modules", "module-built"),
+                                       ("reference-kernels", "reference-kernel (hf-transformers)")])
 def test_every_trainer_check_is_na_with_one_line(kind, who, model_dir, monkeypatch):
     monkeypatch.setenv(QUANTIZATION_ENV, "fp8")
     impl = VLLMImplementation(fake="echo", max_idle=0, trainer=kind)
